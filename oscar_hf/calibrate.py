@@ -1,0 +1,262 @@
+"""Calibration: attention-aware covariances from a model's own activations → OscarRotations.
+
+K target (default "qqt"): the uncentered query covariance of each KV head's query group, so K is
+rotated to where queries look. V target (default "sst"): the value covariance weighted per token
+by ``w_t = k_t·C_h·k_tᵀ`` (the OSCAR reference's proxy for softmax-weighted values; ``C_h`` the
+query covariance of head h, weights normalized to mean 1), which needs a second pass; "softmax"
+is the exact ``VᵀSᵀSV`` (the covariance of the attention outputs). Moments are accumulated in
+float64, averaged over KV heads (one rotation per layer), eigendecomposed, and composed as
+``R = U·H·P``: eigenvectors, normalized Hadamard, bit-reversal permutation by eigenvalue rank.
+
+Data-parallel with accelerate: each process takes a contiguous share of the chunks and the sums
+are reduced with ``reduction="sum"``, so N processes give one process's result.
+"""
+
+from __future__ import annotations
+
+import torch
+from tqdm.auto import tqdm
+
+from .capture import run_capture
+from .config import OscarConfig
+from .diagnostics import diagnose
+from .model_support import check_model_supported
+from .rotations import OscarRotations, hadamard_matrix
+
+K_TARGETS = ("qqt", "ktk", "identity", "hadamard")
+V_TARGETS = ("sst", "softmax", "vtv", "identity", "hadamard")
+EIGEN_ORDERS = ("ascending", "descending")
+DATA_FREE = {"identity": torch.eye, "hadamard": hadamard_matrix}
+
+
+# --------------------------------------------------------------------------- rotation algebra
+def bit_reversal_permutation(eigenvalues: torch.Tensor) -> torch.Tensor:
+    """``perm`` with ``perm[bitrev(i)] = argsort(λ, descending)[i]``; the matrix is ``I[:, perm]``."""
+    d = eigenvalues.numel()
+    bits = d.bit_length() - 1
+    if d & (d - 1):
+        raise ValueError(f"the bit-reversal permutation needs a power-of-two head_dim; got {d}")
+    reversed_index = torch.tensor([int(f"{i:0{bits}b}"[::-1], 2) if bits else 0 for i in range(d)])
+    perm = torch.empty(d, dtype=torch.long)
+    perm[reversed_index] = torch.argsort(eigenvalues, descending=True, stable=True)
+    return perm
+
+
+def compose_rotation(eigenvectors: torch.Tensor, eigenvalues: torch.Tensor, composition: str = "UHP") -> torch.Tensor:
+    """The product, in order, of the factors named in ``composition`` (letters U, H, P; e.g. "UHP", "HP", "U")."""
+    d = eigenvectors.shape[0]
+    factors = {
+        "U": lambda: eigenvectors,
+        "H": lambda: hadamard_matrix(d).to(eigenvectors),
+        "P": lambda: torch.eye(d, dtype=eigenvectors.dtype)[:, bit_reversal_permutation(eigenvalues)],
+    }
+    if not composition or set(composition) - set(factors) or len(set(composition)) != len(composition):
+        raise ValueError(f"composition must be distinct letters from 'UHP' (e.g. 'UHP'); got {composition!r}")
+    rotation = torch.eye(d, dtype=eigenvectors.dtype)
+    for letter in composition:
+        rotation = rotation @ factors[letter]()
+    return rotation
+
+
+def rotation_from_covariance(cov: torch.Tensor, composition: str, eigen_order: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(R, eigenvalues in ascending order) for a symmetric covariance ``[D, D]`` (float64)."""
+    values, vectors = torch.linalg.eigh((cov + cov.mT) / 2)
+    if eigen_order == "descending":
+        vectors = vectors.flip(-1)
+    return compose_rotation(vectors, values, composition), values
+
+
+# ------------------------------------------------------------------------------- statistics
+# second moment each target needs in pass 1 (sst also needs a second, weighted pass)
+TARGET_MOMENTS = {"qqt": "qq", "ktk": "kk", "vtv": "vv", "softmax": "oo", "sst": "qq"}
+
+
+class MomentObserver:
+    """Float64 sums per layer and KV head. Pass 1: q qᵀ, k kᵀ, v vᵀ or o oᵀ as the targets need.
+    Pass 2 (``query_cov`` given, for "sst"): Σ w v vᵀ and Σ w with ``w = k·C_h·kᵀ``."""
+
+    def __init__(self, targets: tuple[str, ...], query_cov: dict[int, torch.Tensor] | None = None):
+        self.query_cov = query_cov
+        self.wanted = set() if query_cov else {TARGET_MOMENTS[t] for t in targets if t in TARGET_MOMENTS}
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def _add(self, name: str, value: torch.Tensor) -> None:
+        self.sums[name] = self.sums[name] + value if name in self.sums else value
+
+    def observe(self, layer_idx, query, key, value, output, scaling) -> None:
+        b, h, t, d = key.shape
+        tensors = {"qq": query, "kk": key, "vv": value, "oo": output}
+        for name in self.wanted:
+            x = tensors[name].double().reshape(b, h, -1, d)  # query groups: [B, H, g·T, D]
+            self._add(f"{layer_idx}.{name}", torch.einsum("bhnd,bhne->hde", x, x))
+        self._add(f"{layer_idx}.tokens", torch.tensor(float(b * t), dtype=torch.float64, device=key.device))
+        if self.query_cov is not None:
+            k, v = key.double(), value.double()
+            weights = torch.einsum("bhtd,hde,bhte->bht", k, self.query_cov[layer_idx].to(k.device), k)
+            self._add(f"{layer_idx}.wvv", torch.einsum("bht,bhtd,bhte->hde", weights, v, v))
+            self._add(f"{layer_idx}.wsum", weights.sum(dim=(0, 2)))
+
+
+def _reduce(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from accelerate import PartialState
+    from accelerate.utils import reduce
+
+    if PartialState().num_processes == 1:
+        return sums
+    return dict(reduce(dict(sorted(sums.items())), reduction="sum"))
+
+
+# ----------------------------------------------------------------------------------- inputs
+def token_chunks(tokenizer, texts, num_tokens: int, max_length: int) -> list[torch.Tensor]:
+    """The first ``num_tokens`` tokens of ``texts``, documents joined by EOS, cut into ``max_length`` chunks.
+
+    ``texts``: a list of strings, a ``datasets.Dataset`` with a "text" column, a 1-D or 2-D token-id
+    tensor, or a list of 1-D token-id tensors.
+    """
+    if hasattr(texts, "column_names"):
+        if "text" not in texts.column_names:
+            raise ValueError(f"the dataset has no 'text' column (columns: {texts.column_names})")
+        texts = texts["text"]
+    if isinstance(texts, torch.Tensor):
+        texts = list(texts) if texts.ndim == 2 else [texts]
+    if isinstance(texts, str) or not hasattr(texts, "__iter__"):
+        raise TypeError("texts must be a list of strings, a datasets.Dataset or token-id tensors")
+    separator = [] if tokenizer is None or tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    ids: list[int] = []
+    for doc in texts:
+        if isinstance(doc, torch.Tensor):
+            ids += doc.flatten().tolist()
+        elif doc.strip():
+            if tokenizer is None:
+                raise ValueError("a tokenizer is needed to calibrate on text")
+            ids += tokenizer(doc, add_special_tokens=False)["input_ids"] + separator
+        if len(ids) >= num_tokens:
+            break
+    ids = ids[:num_tokens]
+    if not ids:
+        raise ValueError("no calibration tokens: texts are empty")
+    return list(torch.tensor(ids).split(max_length))
+
+
+def _forward_all(model, observer, chunks, batch_size: int, desc: str, show_progress: bool) -> None:
+    from accelerate import PartialState
+
+    state = PartialState()
+    with state.split_between_processes(chunks) as mine:
+        bar = tqdm(total=sum(c.numel() for c in mine), unit="tok", desc=desc,
+                   disable=not show_progress or not state.is_local_main_process)
+        for start in range(0, len(mine), batch_size):
+            batch = mine[start : start + batch_size]
+            for same_length in _group_by_length(batch):
+                run_capture(model, observer, torch.stack(same_length))
+                bar.update(sum(c.numel() for c in same_length))
+        bar.close()
+
+
+def _group_by_length(chunks: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[int, list[torch.Tensor]] = {}
+    for chunk in chunks:
+        groups.setdefault(chunk.numel(), []).append(chunk)
+    return list(groups.values())
+
+
+# ------------------------------------------------------------------------------ entry point
+def calibrate(
+    model: torch.nn.Module,
+    tokenizer,
+    texts,
+    *,
+    num_tokens: int = 30000,
+    max_length: int = 2048,
+    k_target: str = "qqt",
+    v_target: str = "sst",
+    composition: str = "UHP",
+    eigen_order: str = "ascending",
+    batch_size: int = 1,
+    diagnostic_tokens: int = 2048,
+    config: OscarConfig | None = None,
+    show_progress: bool = True,
+) -> OscarRotations:
+    """Make OSCAR rotations for ``model`` from its own activations on ``texts``.
+
+    Args:
+        texts: strings, a ``datasets.Dataset`` with a "text" column, or token-id tensors.
+        num_tokens: calibration tokens (per layer); max_length: tokens per forward chunk.
+        k_target: "qqt" (query covariance), "ktk", "identity" or "hadamard".
+        v_target: "sst" (key-weighted value covariance, as the reference), "softmax" (exact
+            VᵀSᵀSV), "vtv", "identity" or "hadamard".
+        composition: factors of R in order, from U (eigenvectors), H (Hadamard), P (bit reversal).
+        eigen_order: column order of U: "ascending" eigenvalues (reference) or "descending".
+        diagnostic_tokens: held-out tokens after the calibration ones for per-layer diagnostics
+            (stored in ``rotations.diagnostics``); 0 skips them.
+        config: the OscarConfig the diagnostics use, stored in the bundle as its recommendation.
+    Returns:
+        OscarRotations with float32 ``[layers, D, D]`` rotations and ascending eigenvalues.
+    """
+    for name, value, allowed in (("k_target", k_target, K_TARGETS), ("v_target", v_target, V_TARGETS),
+                                 ("eigen_order", eigen_order, EIGEN_ORDERS)):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}; got {value!r}")
+    for name, value in (("num_tokens", num_tokens), ("max_length", max_length), ("batch_size", batch_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer; got {value!r}")
+    compose_rotation(torch.eye(2, dtype=torch.float64), torch.ones(2), composition)  # validates the letters
+    shape = check_model_supported(model)
+    config = config or OscarConfig()
+    all_chunks = token_chunks(tokenizer, texts, num_tokens + diagnostic_tokens, max_length)
+    chunks = token_chunks(None, [torch.cat(all_chunks)[:num_tokens]], num_tokens, max_length)
+    used = sum(c.numel() for c in chunks)
+
+    moments = MomentObserver((k_target, v_target))
+    if moments.wanted:
+        _forward_all(model, moments, chunks, batch_size, "calibrate (pass 1)", show_progress)
+    sums = _reduce(moments.sums)
+    group = shape.num_heads // shape.num_kv_heads
+
+    def head_mean(layer: int, name: str, per_row: float) -> torch.Tensor:
+        return (sums[f"{layer}.{name}"] / (sums[f"{layer}.tokens"] * per_row)).mean(0).cpu()
+
+    if v_target == "sst":
+        query_cov = {i: sums[f"{i}.qq"] / (sums[f"{i}.tokens"] * group) for i in range(shape.num_layers)}
+        weighted = MomentObserver((), query_cov=query_cov)
+        _forward_all(model, weighted, chunks, batch_size, "calibrate (pass 2)", show_progress)
+        sums.update(_reduce(weighted.sums))
+
+    def covariance(layer: int, target: str) -> torch.Tensor:
+        if target == "sst":
+            return (sums[f"{layer}.wvv"] / sums[f"{layer}.wsum"][:, None, None]).mean(0).cpu()
+        name, per_row = {"qqt": ("qq", group), "ktk": ("kk", 1), "vtv": ("vv", 1), "softmax": ("oo", group)}[target]
+        return head_mean(layer, name, per_row)
+
+    def rotations_for(target: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if target in DATA_FREE:
+            matrix = DATA_FREE[target](shape.head_dim).double()
+            return matrix.expand(shape.num_layers, -1, -1), torch.zeros(shape.num_layers, shape.head_dim)
+        pairs = [rotation_from_covariance(covariance(i, target), composition, eigen_order)
+                 for i in range(shape.num_layers)]
+        return torch.stack([r for r, _ in pairs]), torch.stack([v for _, v in pairs])
+
+    key_rotation, key_eigenvalues = rotations_for(k_target)
+    value_rotation, value_eigenvalues = rotations_for(v_target)
+    rotations = OscarRotations(
+        key_rotation.float(),
+        value_rotation.float(),
+        key_eigenvalues=key_eigenvalues.float(),
+        value_eigenvalues=value_eigenvalues.float(),
+        num_kv_heads=shape.num_kv_heads,
+        source_model=getattr(model.config, "_name_or_path", None) or None,
+        method="oscar",
+        calibration={
+            "tokens": used,
+            "max_length": max_length,
+            "k_target": k_target,
+            "v_target": v_target,
+            "composition": composition,
+            "eigen_order": eigen_order,
+        },
+        config=config,
+    )
+    held_out = all_chunks and torch.cat(all_chunks)[num_tokens:]
+    if diagnostic_tokens and len(held_out):
+        rotations.diagnostics = diagnose(model, rotations, list(held_out.split(min(max_length, 1024))), config)
+    return rotations

@@ -1,0 +1,131 @@
+"""OscarConfig: how the cache stores K and V (bits, groups, windows, clipping, backend)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+import torch
+
+SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+QUANTIZERS = ("uniform", "lloyd-max")
+BACKENDS = ("auto", "torch", "triton")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class OscarConfig:
+    """Storage settings of an OSCAR KV cache.
+
+    Per layer and KV head, the first ``sink_tokens`` and the newest ``recent_tokens`` (plus up to
+    ``flush_tokens - 1`` more) stay in the model's dtype; every token between is clipped, quantized
+    per token and per group of ``group_size`` channels to ``bits`` bits, and packed.
+
+    Args:
+        bits: 2 (OSCAR) or 4 (INT4 reference).
+        group_size: channels sharing one scale and zero; ``None`` means head_dim. A power of two
+            that divides head_dim.
+        sink_tokens: leading tokens kept in the model's dtype.
+        recent_tokens: newest tokens kept in the model's dtype.
+        flush_tokens: tokens are demoted to the quantized history this many at a time.
+        k_clip, v_clip: per-row clip ratio in (0, 1]: ``|x|`` is clamped to its
+            ``floor(ratio * head_dim)``-th smallest absolute value. 1.0 means no clipping.
+        scale_dtype: dtype of the stored scale and zero: "float16" (2.25 bits per element at
+            group 128), "bfloat16" or "float32".
+        quantizer: "uniform" (asymmetric min-max) or "lloyd-max" (Gaussian levels, 2 bits only).
+        backend: "auto" (triton on CUDA, torch elsewhere), "torch" or "triton".
+    """
+
+    bits: int = 2
+    group_size: int | None = None
+    sink_tokens: int = 64
+    recent_tokens: int = 256
+    flush_tokens: int = 8
+    k_clip: float = 0.96
+    v_clip: float = 0.92
+    scale_dtype: str = "float16"
+    quantizer: str = "uniform"
+    backend: str = "auto"
+
+    def __post_init__(self):
+        if isinstance(self.scale_dtype, torch.dtype):
+            names = {v: k for k, v in SCALE_DTYPES.items()}
+            self.scale_dtype = names.get(self.scale_dtype, str(self.scale_dtype))
+        if self.bits not in (2, 4) or not _is_int(self.bits):
+            self._fail("bits", "2 or 4")
+        if self.group_size is not None and not (
+            _is_int(self.group_size) and self.group_size > 0 and self.group_size & (self.group_size - 1) == 0
+        ):
+            self._fail("group_size", "None (head_dim) or a positive power of two")
+        for name in ("sink_tokens", "recent_tokens"):
+            value = getattr(self, name)
+            if not (_is_int(value) and value >= 0):
+                self._fail(name, "an integer >= 0")
+        if not (_is_int(self.flush_tokens) and self.flush_tokens >= 1):
+            self._fail("flush_tokens", "an integer >= 1")
+        for name in ("k_clip", "v_clip"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+                self._fail(name, "a number in (0, 1]; 1.0 means no clipping")
+            setattr(self, name, float(value))
+        if self.scale_dtype not in SCALE_DTYPES:
+            self._fail("scale_dtype", " or ".join(repr(k) for k in SCALE_DTYPES))
+        if self.quantizer not in QUANTIZERS:
+            self._fail("quantizer", " or ".join(repr(k) for k in QUANTIZERS))
+        if self.quantizer == "lloyd-max" and self.bits != 2:
+            self._fail("quantizer", "'uniform' when bits=4 ('lloyd-max' has 2-bit levels only)")
+        if self.backend not in BACKENDS:
+            self._fail("backend", " or ".join(repr(k) for k in BACKENDS))
+
+    def _fail(self, field: str, allowed: str):
+        raise ValueError(f"OscarConfig.{field} must be {allowed}; got {getattr(self, field)!r}")
+
+    @property
+    def torch_scale_dtype(self) -> torch.dtype:
+        return SCALE_DTYPES[self.scale_dtype]
+
+    def resolved_group_size(self, head_dim: int) -> int:
+        """The group size for a given head_dim; raises ValueError if it cannot be used."""
+        group = self.group_size or head_dim
+        per_byte = 8 // self.bits
+        if head_dim % group:
+            raise ValueError(f"OscarConfig.group_size={group} must divide head_dim={head_dim}")
+        if head_dim % per_byte:
+            raise ValueError(f"head_dim={head_dim} must be a multiple of {per_byte} to pack {self.bits}-bit codes")
+        return group
+
+    def bits_per_element(self, head_dim: int, seq_len: int | None = None, model_bits: int = 16) -> float:
+        """Analytic bits per stored K/V element, for a sequence of ``seq_len`` tokens (None: the history alone)."""
+        scale_bits = torch.finfo(self.torch_scale_dtype).bits
+        history = self.bits + 2 * scale_bits / self.resolved_group_size(head_dim)
+        if seq_len is None:
+            return history
+        window = min(seq_len, self.sink_tokens + self.recent_tokens)
+        return (window * model_bits + (seq_len - window) * history) / seq_len
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "OscarConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown OscarConfig field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "OscarConfig":
+        return cls.from_dict(json.loads(text))
+
+    def replace(self, **overrides) -> "OscarConfig":
+        """A copy with some fields changed (validated like the constructor)."""
+        return self.from_dict({**self.to_dict(), **overrides})
+

@@ -1,0 +1,100 @@
+"""Per-layer diagnostics of a rotation bundle on held-out tokens: what INT2 does to K, V and attention.
+
+For every layer, with each chunk's whole K and V quantized (no windows, so the numbers isolate the
+quantizer): relative K and V error ``‖x̂ − x‖²/‖x‖²``, attention-score ``KL(p_full ‖ p_int2)``
+(causal, mean over query rows and heads), relative attention-output error, and clip rates.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .capture import run_capture
+from .config import OscarConfig
+from .quantizer import clip_rows, dequantize, quantize
+from .rotations import OscarRotations
+
+METRICS = ("k_error", "v_error", "score_kl", "output_error", "k_clip_rate", "v_clip_rate")
+
+
+class DiagnosticsObserver:
+    """Accumulates the diagnostics of one bundle over the chunks it observes."""
+
+    def __init__(self, rotations: OscarRotations, config: OscarConfig):
+        self.rotations, self.config = rotations, config
+        self.sums: dict[int, dict[str, float]] = {}
+
+    def _quantized(self, x: torch.Tensor, clip: float) -> torch.Tensor:
+        cfg = self.config
+        rows = quantize(x, bits=cfg.bits, group_size=cfg.group_size, clip=clip, scale_dtype=cfg.torch_scale_dtype,
+                        method=cfg.quantizer)
+        return dequantize(rows, cfg.bits)
+
+    def observe(self, layer_idx, query, key, value, output, scaling) -> None:
+        cfg, device = self.config, key.device
+        r_k = self.rotations.key_rotation[layer_idx].to(device)
+        r_v = self.rotations.value_rotation[layer_idx].to(device)
+        k, v = key.float() @ r_k, value.float() @ r_v
+        k_hat, v_hat = self._quantized(k, cfg.k_clip), self._quantized(v, cfg.v_clip)
+        b, h, t, d = k.shape
+        q = (query.float() @ r_k).reshape(b, h, -1, t, d)  # [B, H, g, T, D]
+        causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+        log_p = (torch.einsum("bhgtd,bhsd->bhgts", q, k) * scaling).masked_fill(~causal, -torch.inf).log_softmax(-1)
+        log_p_hat = (torch.einsum("bhgtd,bhsd->bhgts", q, k_hat) * scaling).masked_fill(~causal, -torch.inf)
+        log_p_hat = log_p_hat.log_softmax(-1)
+        kl = (log_p.exp() * (log_p - log_p_hat)).nan_to_num().sum(-1).mean()
+        out = output.float().reshape(b, h, -1, t, d) @ r_v
+        out_hat = torch.einsum("bhgts,bhsd->bhgtd", log_p_hat.exp(), v_hat)
+        values = {
+            "k_error": float(((k_hat - k) ** 2).sum() / (k**2).sum()),
+            "v_error": float(((v_hat - v) ** 2).sum() / (v**2).sum()),
+            "score_kl": float(kl),
+            "output_error": float(((out_hat - out) ** 2).sum() / (out**2).sum()),
+            "k_clip_rate": float((clip_rows(k, cfg.k_clip) != k).float().mean()),
+            "v_clip_rate": float((clip_rows(v, cfg.v_clip) != v).float().mean()),
+        }
+        totals = self.sums.setdefault(layer_idx, dict.fromkeys(METRICS, 0.0) | {"tokens": 0})
+        for name, value in values.items():
+            totals[name] += value * b * t
+        totals["tokens"] += b * t
+
+    def results(self) -> list[dict]:
+        return [
+            {"layer": layer, **{name: totals[name] / totals["tokens"] for name in METRICS}, "tokens": totals["tokens"]}
+            for layer, totals in sorted(self.sums.items())
+        ]
+
+
+@torch.no_grad()
+def diagnose(model, rotations: OscarRotations, chunks: list[torch.Tensor], config: OscarConfig | None = None) -> list[dict]:
+    """Per-layer diagnostics (dicts with METRICS, "layer" and "tokens") of ``rotations`` on token chunks."""
+    observer = DiagnosticsObserver(rotations, config or OscarConfig())
+    for chunk in chunks:
+        run_capture(model, observer, chunk.reshape(1, -1))
+    return observer.results()
+
+
+def summarize(diagnostics: list[dict]) -> dict[str, float]:
+    """Token-weighted mean of every metric over layers."""
+    tokens = sum(row["tokens"] for row in diagnostics) or 1
+    return {name: sum(row[name] * row["tokens"] for row in diagnostics) / tokens for name in METRICS}
+
+
+def format_table(diagnostics: list[dict]) -> str:
+    """A per-layer text table with a mean row."""
+    header = f"{'layer':>5} " + " ".join(f"{name:>12}" for name in METRICS)
+    lines = [header, "-" * len(header)]
+    for row in diagnostics:
+        lines.append(f"{row['layer']:>5} " + " ".join(f"{row[name]:>12.4g}" for name in METRICS))
+    lines.append(f"{'mean':>5} " + " ".join(f"{value:>12.4g}" for value in summarize(diagnostics).values()))
+    return "\n".join(lines)
+
+
+def format_comparison(named: dict[str, list[dict]]) -> str:
+    """One row per bundle with its layer-mean metrics."""
+    width = max(len(name) for name in named)
+    header = f"{'rotations':<{width}} " + " ".join(f"{name:>12}" for name in METRICS)
+    lines = [header, "-" * len(header)]
+    for name, diagnostics in named.items():
+        lines.append(f"{name:<{width}} " + " ".join(f"{value:>12.4g}" for value in summarize(diagnostics).values()))
+    return "\n".join(lines)

@@ -1,0 +1,35 @@
+"""Pure-torch attention over the OSCAR cache: dequantize, then SDPA. The oracle for the Triton kernels."""
+
+from __future__ import annotations
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+
+def attend(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key,
+    value,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Attention of rotated queries over ``sink ‖ dequantized history ‖ recent``.
+
+    Args:
+        query: rotated queries ``[B, Hq, q, D]`` in the model dtype.
+        key, value: OscarKV handles; the ``q`` newest tokens are read at full precision from ``.new``
+            (the current chunk is attended unquantized, as in the OSCAR reference).
+        attention_mask: bool ``[B, 1, q, T]`` (True = attend) or None (causal, aligned bottom-right).
+    Returns:
+        ``[B, q, Hq, D]`` in the rotated V basis.
+    """
+    layer = key.layer
+    past = layer.length - key.new.shape[2]
+    k = torch.cat([layer.materialize("key", past), key.new], dim=2)
+    v = torch.cat([layer.materialize("value", past), value.new], dim=2)
+    q_len, kv_len = query.shape[2], k.shape[2]
+    if attention_mask is None and 1 < q_len < kv_len:
+        attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
+    out, _ = sdpa_attention_forward(module, query, k, v, attention_mask, scaling=scaling)
+    return out

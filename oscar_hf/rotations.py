@@ -1,0 +1,339 @@
+"""OscarRotations: the per-layer K and V rotations a cache applies, saved as a small Hub-ready bundle.
+
+A bundle is a folder with ``oscar_config.json`` (metadata, and optionally the recommended
+OscarConfig), ``rotations.safetensors`` (float32 ``key_rotation``/``value_rotation``
+``[layers, D, D]`` and their eigenvalues ``[layers, D]``), a ``README.md`` model card and, after
+calibration, ``diagnostics.json``. Rows are rotated on the right: ``k_rot = k @ key_rotation[layer]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .config import OscarConfig
+from .model_support import ModelShape
+
+CONFIG_NAME = "oscar_config.json"
+WEIGHTS_NAME = "rotations.safetensors"
+DIAGNOSTICS_NAME = "diagnostics.json"
+CARD_NAME = "README.md"
+FORMAT_VERSION = 1
+ORTHOGONALITY_TOLERANCE = 1e-4
+
+
+def hadamard_matrix(n: int) -> torch.Tensor:
+    """Sylvester (natural-order) Walsh–Hadamard matrix ``[n, n]`` divided by √n (float64, orthonormal)."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Sylvester Hadamard matrix needs a power-of-two size; got head_dim={n}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / n**0.5
+
+
+class OscarRotations:
+    """Per-layer rotations ``R_K`` and ``R_V`` (float32 ``[layers, D, D]``), eigenvalues and metadata.
+
+    Args:
+        key_rotation, value_rotation: orthogonal matrices ``[layers, head_dim, head_dim]``.
+        key_eigenvalues, value_eigenvalues: ``[layers, head_dim]``, or None (zeros) for data-free bundles.
+        num_kv_heads: KV heads of the model the bundle was made for.
+        source_model: name or path of that model.
+        method: how the rotations were made ("identity", "hadamard", "oscar", ...).
+        calibration: free-form JSON-able details (data, token count, targets, ...).
+        config: recommended OscarConfig for this model, or None.
+        diagnostics: per-layer quantization diagnostics (see oscar_hf.diagnostics), or None.
+    """
+
+    def __init__(
+        self,
+        key_rotation: torch.Tensor,
+        value_rotation: torch.Tensor,
+        *,
+        num_kv_heads: int,
+        key_eigenvalues: torch.Tensor | None = None,
+        value_eigenvalues: torch.Tensor | None = None,
+        source_model: str | None = None,
+        method: str = "custom",
+        calibration: dict | None = None,
+        config: OscarConfig | None = None,
+        diagnostics: list[dict] | None = None,
+    ):
+        self.key_rotation = self._checked_rotation("key_rotation", key_rotation)
+        self.value_rotation = self._checked_rotation("value_rotation", value_rotation)
+        if self.value_rotation.shape != self.key_rotation.shape:
+            raise ValueError(
+                f"value_rotation shape {tuple(self.value_rotation.shape)} differs from "
+                f"key_rotation shape {tuple(self.key_rotation.shape)}"
+            )
+        layers, dim = self.key_rotation.shape[:2]
+        self.key_eigenvalues = self._checked_eigenvalues("key_eigenvalues", key_eigenvalues, layers, dim)
+        self.value_eigenvalues = self._checked_eigenvalues("value_eigenvalues", value_eigenvalues, layers, dim)
+        self.num_kv_heads = int(num_kv_heads)
+        self.source_model = source_model
+        self.method = method
+        self.calibration = dict(calibration or {})
+        self.config = config
+        self.diagnostics = diagnostics
+
+    @staticmethod
+    def _checked_rotation(name: str, rotation: torch.Tensor) -> torch.Tensor:
+        if not isinstance(rotation, torch.Tensor) or rotation.ndim != 3 or rotation.shape[1] != rotation.shape[2]:
+            shape = tuple(rotation.shape) if isinstance(rotation, torch.Tensor) else type(rotation).__name__
+            raise ValueError(f"{name} must be a tensor [layers, head_dim, head_dim]; got {shape}")
+        rotation = rotation.detach().to("cpu", torch.float32, copy=True).contiguous()
+        if not bool(torch.isfinite(rotation).all()):
+            raise ValueError(f"{name} contains NaN or inf")
+        eye = torch.eye(rotation.shape[-1], dtype=torch.float64)
+        error = (rotation.double().mT @ rotation.double() - eye).abs().amax(dim=(1, 2))
+        if bool((error > ORTHOGONALITY_TOLERANCE).any()):
+            layer = int(error.argmax())
+            raise ValueError(
+                f"{name} of layer {layer} is not orthogonal: max |RᵀR - I| = {float(error[layer]):.2e} "
+                f"(tolerance {ORTHOGONALITY_TOLERANCE:g})"
+            )
+        return rotation
+
+    @staticmethod
+    def _checked_eigenvalues(name: str, values: torch.Tensor | None, layers: int, dim: int) -> torch.Tensor:
+        if values is None:
+            return torch.zeros(layers, dim)
+        if tuple(values.shape) != (layers, dim):
+            raise ValueError(f"{name} must have shape {(layers, dim)}; got {tuple(values.shape)}")
+        return values.detach().to("cpu", torch.float32, copy=True).contiguous()
+
+    @property
+    def num_layers(self) -> int:
+        return self.key_rotation.shape[0]
+
+    @property
+    def head_dim(self) -> int:
+        return self.key_rotation.shape[-1]
+
+    def __repr__(self) -> str:
+        return (
+            f"OscarRotations(method={self.method!r}, layers={self.num_layers}, head_dim={self.head_dim}, "
+            f"num_kv_heads={self.num_kv_heads}, source_model={self.source_model!r})"
+        )
+
+    # ----------------------------------------------------------------- data-free baselines
+    @classmethod
+    def _repeated(cls, model_config, matrix: torch.Tensor, method: str) -> "OscarRotations":
+        shape = ModelShape.from_config(model_config)
+        stack = matrix.float().expand(shape.num_layers, -1, -1).contiguous()
+        return cls(
+            stack,
+            stack.clone(),
+            num_kv_heads=shape.num_kv_heads,
+            source_model=getattr(model_config, "_name_or_path", None) or None,
+            method=method,
+        )
+
+    @classmethod
+    def identity(cls, model_config) -> "OscarRotations":
+        """No rotation (naive INT2 when used without clipping)."""
+        return cls._repeated(model_config, torch.eye(ModelShape.from_config(model_config).head_dim), "identity")
+
+    @classmethod
+    def hadamard(cls, model_config) -> "OscarRotations":
+        """The normalized Sylvester Hadamard on every layer (QuaRot-style, data-free)."""
+        return cls._repeated(model_config, hadamard_matrix(ModelShape.from_config(model_config).head_dim), "hadamard")
+
+    @classmethod
+    def from_reference(
+        cls, key_file: str | os.PathLike, value_file: str | os.PathLike, *, num_kv_heads: int,
+        source_model: str | None = None,
+    ) -> "OscarRotations":
+        """Import the OSCAR reference's rotation files (``k_rotation_qqt_r_h_pbr.pt``, ``v_rotation_sst_r_h_pbr.pt``).
+
+        Each holds ``{"format_version": 1, "objective": ..., "layers": {i: {"rotation": [D, D],
+        "eigenvalues": [D]}}}``; they are read with ``torch.load(weights_only=True)``.
+        """
+
+        def read(path) -> tuple[torch.Tensor, torch.Tensor, str]:
+            data = torch.load(path, map_location="cpu", weights_only=True)
+            if not isinstance(data, dict) or not isinstance(data.get("layers"), dict) or not data["layers"]:
+                raise ValueError(f"{path} is not an OSCAR reference rotation file (no 'layers' dict)")
+            layers = sorted(data["layers"].items(), key=lambda item: int(item[0]))
+            if [int(i) for i, _ in layers] != list(range(len(layers))):
+                raise ValueError(f"{path}: layer ids {[int(i) for i, _ in layers]} are not 0..{len(layers) - 1}")
+            rotation = torch.stack([torch.as_tensor(entry["rotation"]) for _, entry in layers])
+            eigenvalues = torch.stack([torch.as_tensor(entry["eigenvalues"]) for _, entry in layers])
+            return rotation, eigenvalues, str(data.get("objective", "unknown"))
+
+        key_rotation, key_eigenvalues, key_objective = read(key_file)
+        value_rotation, value_eigenvalues, value_objective = read(value_file)
+        return cls(
+            key_rotation,
+            value_rotation,
+            key_eigenvalues=key_eigenvalues,
+            value_eigenvalues=value_eigenvalues,
+            num_kv_heads=num_kv_heads,
+            source_model=source_model,
+            method="oscar-reference",
+            calibration={"imported_from": "OSCAR reference", "key_objective": key_objective,
+                         "value_objective": value_objective},
+        )
+
+    # ------------------------------------------------------------------- model compatibility
+    def check_compatible(self, model_config) -> None:
+        """Raise ValueError naming the first field in which this bundle does not fit ``model_config``."""
+        shape = ModelShape.from_config(model_config)
+        for field, ours, theirs in (
+            ("num_layers", self.num_layers, shape.num_layers),
+            ("head_dim", self.head_dim, shape.head_dim),
+            ("num_kv_heads", self.num_kv_heads, shape.num_kv_heads),
+        ):
+            if ours != theirs:
+                raise ValueError(
+                    f"rotation bundle does not fit the model: {field} is {ours} in the bundle "
+                    f"(made for {self.source_model!r}) but {theirs} in the model"
+                )
+
+    # ------------------------------------------------------------------------------- saving
+    def save_pretrained(self, save_directory: str | os.PathLike) -> Path:
+        """Write ``oscar_config.json`` and ``rotations.safetensors`` into ``save_directory``."""
+        path = Path(save_directory)
+        path.mkdir(parents=True, exist_ok=True)
+        metadata = {
+            "format_version": FORMAT_VERSION,
+            "library": "oscar_hf",
+            "method": self.method,
+            "source_model": self.source_model,
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "calibration": self.calibration,
+            "config": self.config.to_dict() if self.config is not None else None,
+        }
+        tensors = {
+            "key_rotation": self.key_rotation,
+            "value_rotation": self.value_rotation,
+            "key_eigenvalues": self.key_eigenvalues,
+            "value_eigenvalues": self.value_eigenvalues,
+        }
+        save_file(tensors, str(path / WEIGHTS_NAME), metadata={"format_version": str(FORMAT_VERSION)})
+        (path / CONFIG_NAME).write_text(json.dumps(metadata, indent=2) + "\n")
+        (path / CARD_NAME).write_text(self.model_card())
+        if self.diagnostics is not None:
+            (path / DIAGNOSTICS_NAME).write_text(json.dumps(self.diagnostics, indent=2) + "\n")
+        return path
+
+    def model_card(self) -> str:
+        """A short README for the bundle: what it is, how it was made, how to use it."""
+        settings = "\n".join(f"- {k}: {v}" for k, v in self.calibration.items()) or "- data-free (no calibration)"
+        config = self.config.to_json() if self.config is not None else "OscarConfig() defaults"
+        return (
+            f"---\nlibrary_name: oscar_hf\ntags: [oscar, kv-cache, quantization]\n---\n\n"
+            f"# OSCAR KV-cache rotations for {self.source_model or 'an unnamed model'}\n\n"
+            f"Per-layer K and V rotations ({self.method}) for 2-bit KV-cache quantization with "
+            f"[oscar-hf](https://pypi.org/project/oscar-hf/): {self.num_layers} layers, head_dim {self.head_dim}, "
+            f"{self.num_kv_heads} KV heads.\n\n## How it was made\n\n{settings}\n\n"
+            f"## Recommended cache settings\n\n```json\n{config}\n```\n\n## Use\n\n```python\n"
+            f"from oscar_hf import OscarQuantizedCache\n"
+            f"cache = OscarQuantizedCache.from_pretrained(REPO_OR_DIR, subfolder=SUBFOLDER, model=model)\n"
+            f"out = model.generate(**inputs, past_key_values=cache)\n```\n"
+        )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        src: str | os.PathLike,
+        *,
+        subfolder: str | None = None,
+        revision: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        local_files_only: bool = False,
+        token: str | bool | None = None,
+    ) -> "OscarRotations":
+        """Load a bundle from a local folder or a Hub repo (``subfolder`` inside either)."""
+        local = Path(src) / (subfolder or "")
+        if local.is_dir():
+            config_file, weights_file = local / CONFIG_NAME, local / WEIGHTS_NAME
+            for file in (config_file, weights_file):
+                if not file.is_file():
+                    raise FileNotFoundError(f"{local} is not an OSCAR rotation bundle: {file.name} is missing")
+        else:
+            from huggingface_hub import hf_hub_download
+
+            def fetch(name: str) -> Path:
+                return Path(
+                    hf_hub_download(
+                        str(src),
+                        name,
+                        subfolder=subfolder,
+                        revision=revision,
+                        cache_dir=cache_dir,
+                        local_files_only=local_files_only,
+                        token=token,
+                    )
+                )
+
+            config_file, weights_file = fetch(CONFIG_NAME), fetch(WEIGHTS_NAME)
+        return cls._load(config_file, weights_file)
+
+    @classmethod
+    def _load(cls, config_file: Path, weights_file: Path) -> "OscarRotations":
+        try:
+            metadata = json.loads(config_file.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{config_file} is not valid JSON: {err}") from None
+        version = metadata.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ValueError(f"{config_file}: unsupported format_version {version!r} (expected {FORMAT_VERSION})")
+        tensors = load_file(str(weights_file))
+        missing = {"key_rotation", "value_rotation"} - set(tensors)
+        if missing:
+            raise ValueError(f"{weights_file} lacks tensor(s) {sorted(missing)}")
+        bundle = cls(
+            tensors["key_rotation"],
+            tensors["value_rotation"],
+            key_eigenvalues=tensors.get("key_eigenvalues"),
+            value_eigenvalues=tensors.get("value_eigenvalues"),
+            num_kv_heads=metadata["num_kv_heads"],
+            source_model=metadata.get("source_model"),
+            method=metadata.get("method", "custom"),
+            calibration=metadata.get("calibration"),
+            config=OscarConfig.from_dict(metadata["config"]) if metadata.get("config") else None,
+        )
+        diagnostics_file = config_file.with_name(DIAGNOSTICS_NAME)
+        if diagnostics_file.is_file():
+            bundle.diagnostics = json.loads(diagnostics_file.read_text())
+        for field in ("num_layers", "head_dim"):
+            if field in metadata and metadata[field] != getattr(bundle, field):
+                raise ValueError(
+                    f"{config_file}: {field}={metadata[field]} disagrees with the tensors ({getattr(bundle, field)})"
+                )
+        return bundle
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        subfolder: str | None = None,
+        revision: str | None = None,
+        private: bool | None = None,
+        token: str | bool | None = None,
+        commit_message: str | None = None,
+    ) -> str:
+        """Upload the bundle to the Hub model repo ``repo_id`` (created if needed), under ``subfolder``."""
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            self.save_pretrained(tmp)
+            info = api.upload_folder(
+                repo_id=repo_id,
+                folder_path=tmp,
+                path_in_repo=subfolder or "",
+                revision=revision,
+                commit_message=commit_message or f"Upload OSCAR rotations ({self.method})",
+            )
+        return str(info)

@@ -1,0 +1,131 @@
+"""oscar_hf.config.OscarConfig: defaults, serialization, validation, group size and bits per element."""
+
+import json
+
+import pytest
+import torch
+
+from oscar_hf.config import OscarConfig
+
+NON_DEFAULT = dict(
+    bits=4,
+    group_size=32,
+    sink_tokens=4,
+    recent_tokens=128,
+    flush_tokens=16,
+    k_clip=1.0,
+    v_clip=0.9,
+    scale_dtype="bfloat16",
+    quantizer="uniform",
+    backend="torch",
+)
+
+
+def test_defaults_match_the_spec():
+    assert OscarConfig().to_dict() == dict(
+        bits=2,
+        group_size=None,
+        sink_tokens=64,
+        recent_tokens=256,
+        flush_tokens=8,
+        k_clip=0.96,
+        v_clip=0.92,
+        scale_dtype="float16",
+        quantizer="uniform",
+        backend="auto",
+    )
+    assert OscarConfig().torch_scale_dtype == torch.float16
+
+
+def test_json_round_trip():
+    config = OscarConfig(**NON_DEFAULT)
+    assert json.loads(config.to_json()) == NON_DEFAULT
+    assert OscarConfig.from_json(config.to_json()) == config
+    assert OscarConfig.from_dict(config.to_dict()) == config
+
+
+@pytest.mark.parametrize(
+    "dtype, name", [(torch.float32, "float32"), (torch.bfloat16, "bfloat16"), (torch.float16, "float16")], ids=str
+)
+def test_scale_dtype_accepts_torch_dtypes(dtype, name):
+    config = OscarConfig(scale_dtype=dtype)
+    assert config.scale_dtype == name and config.torch_scale_dtype == dtype
+    assert json.loads(config.to_json())["scale_dtype"] == name
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        pytest.param(dict(bits=3), "bits", id="bits-3"),
+        pytest.param(dict(bits=True), "bits", id="bits-True"),
+        pytest.param(dict(bits=2.0), "bits", id="bits-2.0"),
+        pytest.param(dict(group_size=48), "group_size", id="group_size-48"),
+        pytest.param(dict(group_size=0), "group_size", id="group_size-0"),
+        pytest.param(dict(group_size=-64), "group_size", id="group_size--64"),
+        pytest.param(dict(sink_tokens=-1), "sink_tokens", id="sink_tokens--1"),
+        pytest.param(dict(recent_tokens=2.5), "recent_tokens", id="recent_tokens-2.5"),
+        pytest.param(dict(flush_tokens=0), "flush_tokens", id="flush_tokens-0"),
+        pytest.param(dict(k_clip=0), "k_clip", id="k_clip-0"),
+        pytest.param(dict(k_clip=1.5), "k_clip", id="k_clip-1.5"),
+        pytest.param(dict(v_clip=-0.1), "v_clip", id="v_clip--0.1"),
+        pytest.param(dict(v_clip="a"), "v_clip", id="v_clip-str"),
+        pytest.param(dict(scale_dtype="int8"), "scale_dtype", id="scale_dtype-int8"),
+        pytest.param(dict(scale_dtype=torch.int8), "scale_dtype", id="scale_dtype-torch.int8"),
+        pytest.param(dict(quantizer="kmeans"), "quantizer", id="quantizer-kmeans"),
+        pytest.param(dict(backend="cuda"), "backend", id="backend-cuda"),
+        pytest.param(dict(quantizer="lloyd-max", bits=4), "quantizer", id="lloyd-max-bits-4"),
+    ],
+)
+def test_invalid_values_raise_naming_the_field(overrides, field):
+    with pytest.raises(ValueError, match=rf"OscarConfig\.{field}\b"):
+        OscarConfig(**overrides)
+    with pytest.raises(ValueError, match=rf"OscarConfig\.{field}\b"):
+        OscarConfig().replace(**overrides)
+
+
+def test_from_dict_rejects_unknown_keys():
+    with pytest.raises(ValueError, match="colour"):
+        OscarConfig.from_dict({**OscarConfig().to_dict(), "colour": "red"})
+
+
+def test_replace_returns_a_changed_copy():
+    config = OscarConfig()
+    changed = config.replace(bits=4, group_size=64)
+    assert (changed.bits, changed.group_size, changed.k_clip) == (4, 64, 0.96)
+    assert config == OscarConfig()
+
+
+@pytest.mark.parametrize(
+    "group_size, head_dim, expected",
+    [
+        pytest.param(None, 64, 64, id="None-D64"),
+        pytest.param(None, 128, 128, id="None-D128"),
+        pytest.param(32, 64, 32, id="g32-D64"),
+        pytest.param(128, 128, 128, id="g128-D128"),
+    ],
+)
+def test_resolved_group_size(group_size, head_dim, expected):
+    assert OscarConfig(group_size=group_size).resolved_group_size(head_dim) == expected
+
+
+def test_group_larger_than_head_dim_raises():
+    with pytest.raises(ValueError, match="group_size"):
+        OscarConfig(group_size=128).resolved_group_size(64)
+
+
+@pytest.mark.parametrize(
+    "fields, seq_len, expected",
+    [
+        pytest.param(dict(group_size=128), None, 2.25, id="g128-fp16-history"),
+        pytest.param(dict(), None, 2.25, id="gNone-fp16-history"),
+        pytest.param(dict(group_size=128), 131072, 2.2836, id="g128-fp16-128k"),
+        pytest.param(dict(group_size=128), 32768, 2.3843, id="g128-fp16-32k"),
+        pytest.param(dict(group_size=128), 300, 16.0, id="g128-fp16-all-window"),
+        pytest.param(dict(group_size=64), None, 2.5, id="g64-fp16-history"),
+        pytest.param(dict(bits=4, group_size=128), None, 4.25, id="int4-g128-history"),
+        pytest.param(dict(group_size=128, scale_dtype="float32"), None, 2.5, id="g128-fp32-history"),
+        pytest.param(dict(group_size=128, scale_dtype="bfloat16"), None, 2.25, id="g128-bf16-history"),
+    ],
+)
+def test_bits_per_element(fields, seq_len, expected):
+    assert OscarConfig(**fields).bits_per_element(128, seq_len) == pytest.approx(expected, abs=1e-4)

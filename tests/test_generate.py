@@ -1,0 +1,178 @@
+"""model.generate with OscarQuantizedCache against the default cache, in every generation mode."""
+
+import pytest
+import torch
+from conftest import VOCAB, make_model
+from transformers.generation.streamers import BaseStreamer
+
+from oscar_hf import OscarQuantizedCache, OscarRotations
+
+NEW_TOKENS = 12
+
+
+class TokenCollector(BaseStreamer):
+    def __init__(self):
+        self.tokens = []
+
+    def put(self, value):
+        self.tokens.append(value.clone())
+
+    def end(self):
+        pass
+
+
+def prompt(batch: int = 1, length: int = 17, seed: int = 0, left_pad: tuple[int, ...] = ()) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate(left_pad):
+        ids[row, :pad], mask[row, :pad] = 0, 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def repetitive_prompt() -> dict:
+    """A prompt whose n-grams recur, so prompt-lookup decoding proposes (and crops) candidates."""
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10, 11, 5, 6, 7]])
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def run(model, inputs, cache=None, seed=0, **kwargs):
+    torch.manual_seed(seed)
+    extra = {"past_key_values": cache} if cache is not None else {}
+    out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, pad_token_id=0, **extra, **kwargs)
+    return out.sequences if hasattr(out, "sequences") else out
+
+
+def full_precision_cache(model, rotations=None) -> OscarQuantizedCache:
+    """Windows (64 + 256 tokens) that cover every test sequence: nothing is quantized."""
+    return OscarQuantizedCache.from_pretrained(rotations or OscarRotations.identity(model.config), model=model)
+
+
+MODES = {
+    "greedy": (lambda: prompt(), {}),
+    "sampling": (lambda: prompt(), dict(do_sample=True, top_k=20, temperature=0.9)),
+    "left-padded-batch": (lambda: prompt(3, left_pad=(0, 5, 11)), {}),
+    "beam-search": (lambda: prompt(2, left_pad=(0, 4)), dict(num_beams=3, num_return_sequences=2)),
+    "num-return-sequences": (lambda: prompt(2, left_pad=(3, 0)), dict(do_sample=True, num_return_sequences=3)),
+    "prompt-lookup": (repetitive_prompt, dict(prompt_lookup_num_tokens=3)),
+    "return-dict": (lambda: prompt(), dict(return_dict_in_generate=True, output_scores=True)),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_token_identical_when_windows_cover_sequence(arch, mode):
+    model = make_model(arch)
+    make_inputs, kwargs = MODES[mode]
+    expected = run(model, make_inputs(), **kwargs)
+    cache = full_precision_cache(model)
+    got = run(model, make_inputs(), cache=cache, **kwargs)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert cache.get_seq_length() == got.shape[1] - 1
+    assert all(layer.n_history == 0 for layer in cache.layers)
+
+
+def test_streamer_sees_the_same_tokens(arch):
+    model = make_model(arch)
+    reference, ours = TokenCollector(), TokenCollector()
+    run(model, prompt(), streamer=reference)
+    run(model, prompt(), cache=full_precision_cache(model), streamer=ours)
+    assert len(ours.tokens) == len(reference.tokens) == NEW_TOKENS + 1
+    for a, b in zip(ours.tokens, reference.tokens):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_assisted_decoding_with_assistant_model():
+    model = make_model("qwen3-gqa-qknorm-d128")
+    assistant = make_model("qwen3-gqa-qknorm-d128", seed=1, num_hidden_layers=1)
+    expected = run(model, prompt())
+    got = run(model, prompt(), cache=full_precision_cache(model), assistant_model=assistant)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_dtypes(arch, dtype):
+    model = make_model(arch, dtype=dtype)
+    inputs = prompt(2, left_pad=(0, 6))
+    expected = run(model, inputs)
+    torch.testing.assert_close(run(model, inputs, cache=full_precision_cache(model)), expected, rtol=0, atol=0)
+
+
+def test_repeated_generate_calls_with_fresh_caches(arch):
+    model = make_model(arch)
+    expected = [run(model, prompt(seed=s)) for s in range(3)]
+    for seed, want in enumerate(expected):
+        torch.testing.assert_close(run(model, prompt(seed=seed), cache=full_precision_cache(model)), want, rtol=0, atol=0)
+
+
+def test_cache_reuse_across_generate_calls():
+    model = make_model("llama-mha-d64")
+    first = prompt(length=9)
+    reference_cache = None
+    from transformers import DynamicCache
+
+    reference_cache = DynamicCache(config=model.config)
+    ours = full_precision_cache(model)
+    out_ref = run(model, first, cache=reference_cache)
+    out = run(model, first, cache=ours)
+    follow = torch.cat([out_ref, torch.tensor([[7, 8, 9]])], dim=1)
+    again = {"input_ids": follow, "attention_mask": torch.ones_like(follow)}
+    torch.testing.assert_close(run(model, again, cache=ours), run(model, again, cache=reference_cache), rtol=0, atol=0)
+    torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
+
+
+def random_orthogonal_rotations(model, seed=0) -> OscarRotations:
+    config = model.config
+    layers, dim = config.num_hidden_layers, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    g = torch.Generator().manual_seed(seed)
+    q = torch.linalg.qr(torch.randn(2, layers, dim, dim, generator=g, dtype=torch.float64)).Q.float()
+    return OscarRotations(q[0], q[1], num_kv_heads=config.num_key_value_heads, method="random")
+
+
+def test_rotation_invariance(arch):
+    """With nothing quantized, a random orthogonal R_K and R_V leave logits and tokens unchanged."""
+    model = make_model(arch)
+    inputs = prompt(2, left_pad=(0, 3))
+    expected = model.generate(**inputs, max_new_tokens=NEW_TOKENS, pad_token_id=0, do_sample=False,
+                              return_dict_in_generate=True, output_scores=True)
+    cache = full_precision_cache(model, random_orthogonal_rotations(model))
+    got = model.generate(**inputs, max_new_tokens=NEW_TOKENS, pad_token_id=0, do_sample=False, past_key_values=cache,
+                         return_dict_in_generate=True, output_scores=True)
+    torch.testing.assert_close(got.sequences, expected.sequences, rtol=0, atol=0)
+    for a, b in zip(got.scores, expected.scores):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+QUANTIZED_MODES = ["greedy", "sampling", "left-padded-batch", "beam-search", "num-return-sequences", "prompt-lookup"]
+
+
+@pytest.mark.parametrize("mode", QUANTIZED_MODES)
+def test_quantized_history_in_every_mode(mode):
+    """Small windows force INT2 history; generation runs and stays close to the full-precision model."""
+    model = make_model("qwen3-gqa-qknorm-d128")
+    make_inputs, kwargs = MODES[mode]
+    inputs = make_inputs()
+    cache = OscarQuantizedCache.from_pretrained(
+        OscarRotations.hadamard(model.config), model=model, sink_tokens=4, recent_tokens=4, flush_tokens=2
+    )
+    out = run(model, inputs, cache=cache, **kwargs)
+    assert out.shape[1] == inputs["input_ids"].shape[1] + NEW_TOKENS
+    assert all(layer.n_history > 0 for layer in cache.layers)
+    assert cache.bits_per_element < 16
+
+
+def test_quantized_greedy_logits_close_to_full_precision():
+    """INT2 with Hadamard on a tiny random model: next-token distributions stay close (KL small)."""
+    model = make_model("qwen3-gqa-qknorm-d128")
+    inputs = prompt(length=40)
+    full = model.generate(**inputs, max_new_tokens=1, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    cache = OscarQuantizedCache.from_pretrained(
+        OscarRotations.hadamard(model.config), model=model, sink_tokens=4, recent_tokens=4
+    )
+    cache_out = model(**inputs, past_key_values=cache, use_cache=True)  # prefill quantizes 32 of the 40 tokens
+    step = model(input_ids=torch.tensor([[7]]), past_key_values=cache_out.past_key_values,
+                 attention_mask=torch.ones(1, 41, dtype=torch.long))
+    reference = model(input_ids=torch.cat([inputs["input_ids"], torch.tensor([[7]])], dim=1)).logits[:, -1]
+    kl = torch.nn.functional.kl_div(step.logits[:, -1].log_softmax(-1), reference.log_softmax(-1),
+                                    log_target=True, reduction="batchmean")
+    assert 0 < kl < 0.05
+    assert full.logits[0].shape[-1] == VOCAB

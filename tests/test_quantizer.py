@@ -1,0 +1,198 @@
+"""oscar_hf.quantizer: packing layout, the uniform error bound, clipping, constant rows, Lloyd-Max, errors, shapes."""
+
+import pytest
+import torch
+
+from oscar_hf.quantizer import clip_rows, dequantize, pack, quantize, unpack
+
+DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+SCALE_DTYPES = list(DTYPE_IDS)
+
+
+def randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def rows_with_outliers(*shape: int, seed: int = 0) -> torch.Tensor:
+    """Gaussian rows in which every 16th channel is 20× larger, like the outlier channels of real keys."""
+    x = randn(*shape, seed=seed)
+    x[..., ::16] *= 20
+    return x
+
+
+# ---------------------------------------------------------------------------------------------- packing
+@pytest.mark.parametrize("bits", [2, 4], ids=lambda b: f"int{b}")
+@pytest.mark.parametrize("d", [64, 128, 256], ids=lambda d: f"D{d}")
+def test_pack_unpack_round_trip(bits, d):
+    generator = torch.Generator().manual_seed(d + bits)
+    codes = torch.randint(0, 2**bits, (3, 5, d), generator=generator, dtype=torch.uint8)
+    packed = pack(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 5, d * bits // 8)
+    assert torch.equal(unpack(packed, bits), codes)
+
+
+@pytest.mark.parametrize("bits", [2, 4], ids=lambda b: f"int{b}")
+@pytest.mark.parametrize("d", [64, 128, 256], ids=lambda d: f"D{d}")
+def test_pack_puts_channel_in_its_byte_and_offset(bits, d):
+    """Channel j + k·D/n lands in byte j at bit offset k·bits (n = 8 / bits codes per byte)."""
+    stride = d * bits // 8
+    for channel in range(d):
+        codes = torch.zeros(d, dtype=torch.uint8)
+        codes[channel] = 2**bits - 1
+        expected = torch.zeros(stride, dtype=torch.uint8)
+        expected[channel % stride] = (2**bits - 1) << (channel // stride * bits)
+        assert torch.equal(pack(codes, bits), expected), f"channel {channel}"
+
+
+@pytest.mark.parametrize(
+    "bits, codes, packed",
+    [
+        # D=8, INT2: byte 0 = channels 0, 2, 4, 6 and byte 1 = channels 1, 3, 5, 7 at bits 0, 2, 4, 6.
+        pytest.param(2, [1, 2, 3, 0, 2, 1, 0, 3], [1 | 3 << 2 | 2 << 4, 2 | 1 << 4 | 3 << 6], id="int2"),
+        # D=4, INT4: byte 0 = channels 0, 2 and byte 1 = channels 1, 3 at bits 0, 4.
+        pytest.param(4, [1, 2, 15, 9], [1 | 15 << 4, 2 | 9 << 4], id="int4"),
+    ],
+)
+def test_pack_hand_built_example(bits, codes, packed):
+    codes, packed = torch.tensor(codes, dtype=torch.uint8), torch.tensor(packed, dtype=torch.uint8)
+    assert torch.equal(pack(codes, bits), packed)
+    assert torch.equal(unpack(packed, bits), codes)
+
+
+# ------------------------------------------------------------------------------------- uniform quantizer
+@pytest.mark.parametrize("clip", [1.0, 0.96], ids=lambda c: f"clip{c}")
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES, ids=lambda t: f"scale-{DTYPE_IDS[t]}")
+@pytest.mark.parametrize("x_dtype", SCALE_DTYPES, ids=lambda t: f"x-{DTYPE_IDS[t]}")
+@pytest.mark.parametrize("group", [32, 64, 128], ids=lambda g: f"g{g}")
+@pytest.mark.parametrize("bits", [2, 4], ids=lambda b: f"int{b}")
+def test_uniform_error_within_half_a_step_of_clipped_row(bits, group, x_dtype, scale_dtype, clip):
+    x = rows_with_outliers(2, 3, 16, 128, seed=bits * group).to(x_dtype)
+    q = quantize(x, bits=bits, group_size=group, clip=clip, scale_dtype=scale_dtype)
+    assert q.scale.dtype == q.zero.dtype == scale_dtype
+    target = clip_rows(x.float(), clip)
+    error = (dequantize(q, bits) - target).abs().unflatten(-1, (128 // group, group))
+    half_step = q.scale.float()[..., None] / 2
+    assert bool((error <= half_step * (1 + 1e-5)).all()), float((error / half_step).max())
+
+
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES, ids=lambda t: DTYPE_IDS[t])
+@pytest.mark.parametrize("bits", [2, 4], ids=lambda b: f"int{b}")
+def test_uniform_range_is_rounded_outward(bits, scale_dtype):
+    """zero <= group min and zero + levels·scale >= group max (up to fp32 arithmetic) in the scale dtype."""
+    x = rows_with_outliers(64, 128, seed=5).unflatten(-1, (4, 32))
+    q = quantize(x.flatten(-2), bits=bits, group_size=32, scale_dtype=scale_dtype)
+    zero, scale = q.zero.float(), q.scale.float()
+    fp32_slack = 4 * torch.finfo(torch.float32).eps * x.abs().amax(-1)
+    assert bool((zero <= x.amin(-1)).all())
+    assert bool((zero + (2**bits - 1) * scale >= x.amax(-1) - fp32_slack).all())
+
+
+def test_quantize_clips_before_quantizing():
+    x = rows_with_outliers(4, 128, seed=1)
+    clipped, direct = quantize(clip_rows(x, 0.92)), quantize(x, clip=0.92)
+    assert all(torch.equal(a, b) for a, b in zip(clipped, direct))
+    assert not torch.equal(quantize(x).scale, direct.scale)
+
+
+@pytest.mark.parametrize(
+    "d, ratio, clamped",
+    [
+        pytest.param(64, 0.96, 2, id="D64-c0.96"),
+        pytest.param(64, 0.92, 5, id="D64-c0.92"),
+        pytest.param(128, 0.96, 5, id="D128-c0.96"),
+        pytest.param(128, 0.92, 10, id="D128-c0.92"),
+    ],
+)
+def test_clip_clamps_the_largest_entries_to_the_threshold(d, ratio, clamped):
+    x = randn(8, d, seed=d)  # distinct |values| with probability 1
+    assert x.abs().unique().numel() == x.numel()
+    tau = x.abs().sort(-1).values[:, d - 1 - clamped, None]  # sort(|x|)[floor(ratio * D)]
+    changed = clip_rows(x, ratio) != x
+    assert changed.sum(-1).tolist() == [clamped] * 8
+    assert torch.equal(changed, x.abs() > tau)
+    assert torch.equal(clip_rows(x, ratio)[changed], (x.sign() * tau)[changed])
+
+
+def test_clip_one_is_a_no_op():
+    x = randn(8, 128)
+    assert torch.equal(clip_rows(x, 1.0), x)
+
+
+CONSTANT_ROWS = torch.tensor([[0.0] * 128, [300.0] * 128, [-1.5] * 128])
+CONSTANT_GROUPS = torch.tensor([[0.0] * 32 + [300.0] * 32 + [-1.5] * 32 + [7.25] * 32])
+
+
+@pytest.mark.parametrize(
+    "rows, group", [pytest.param(CONSTANT_ROWS, None, id="rows"), pytest.param(CONSTANT_GROUPS, 32, id="groups")]
+)
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES, ids=lambda t: DTYPE_IDS[t])
+@pytest.mark.parametrize("bits", [2, 4], ids=lambda b: f"int{b}")
+def test_constant_rows_and_groups_dequantize_exactly(bits, scale_dtype, rows, group):
+    out = dequantize(quantize(rows, bits=bits, group_size=group, scale_dtype=scale_dtype), bits)
+    assert torch.equal(out, rows)
+
+
+# ----------------------------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=str)
+def test_non_finite_input_raises(bad):
+    x = randn(2, 64)
+    x[1, 5] = bad
+    with pytest.raises(ValueError, match="NaN or inf"):
+        quantize(x)
+
+
+def test_value_too_large_for_float16_scale():
+    x = randn(2, 64)
+    x[0, :2] = torch.tensor([1e6, -1e6])
+    with pytest.raises(ValueError, match="scale_dtype"):
+        quantize(x, scale_dtype=torch.float16)
+    q = quantize(x, scale_dtype=torch.float32)
+    assert torch.isfinite(q.scale).all() and torch.isfinite(q.zero).all()
+    assert bool(((dequantize(q, 2) - x).abs() <= q.scale / 2 * (1 + 1e-5)).all())  # one group per row
+
+
+def test_unknown_method_raises():
+    with pytest.raises(ValueError, match="kmeans"):
+        quantize(randn(2, 64), method="kmeans")
+
+
+# ------------------------------------------------------------------------------------------- lloyd-max
+def test_lloyd_max_uses_all_four_codes():
+    codes = unpack(quantize(randn(64, 128, seed=2), method="lloyd-max").codes, 2)
+    assert all(sorted(row.unique().tolist()) == [0, 1, 2, 3] for row in codes)
+
+
+def test_lloyd_max_levels_are_mean_plus_multiples_of_sigma():
+    x = 0.5 + 2 * randn(16, 128, seed=3)
+    mean, sigma = x.mean(-1, keepdim=True), x.std(-1, unbiased=False, keepdim=True)
+    expected = mean + sigma * torch.tensor([-1.751, -0.584, 0.584, 1.751])
+    out = dequantize(quantize(x, method="lloyd-max"), 2)
+    levels = torch.stack([row.unique() for row in out])  # sorted, 4 per row
+    torch.testing.assert_close(levels, expected, atol=1e-2, rtol=2e-3)
+
+
+def test_lloyd_max_beats_uniform_on_gaussian_rows():
+    x = randn(1024, 128, seed=4)
+    mse = {m: float(((dequantize(quantize(x, method=m), 2) - x) ** 2).mean()) for m in ("uniform", "lloyd-max")}
+    assert mse["lloyd-max"] < 0.7 * mse["uniform"], mse  # about 0.146 vs 0.252
+
+
+def test_lloyd_max_rejects_four_bits():
+    with pytest.raises(ValueError, match="lloyd-max"):
+        quantize(randn(2, 64), bits=4, method="lloyd-max")
+
+
+# ----------------------------------------------------------------------------------------------- shapes
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES, ids=lambda t: DTYPE_IDS[t])
+@pytest.mark.parametrize("group", [None, 32], ids=lambda g: f"g{g or 'D'}")
+@pytest.mark.parametrize("bits", [2, 4], ids=lambda b: f"int{b}")
+def test_shapes_and_dtypes_on_4d_input(bits, group, scale_dtype):
+    b, h, t, d = 2, 3, 5, 128
+    x = randn(b, h, t, d).to(torch.bfloat16)
+    q = quantize(x, bits=bits, group_size=group, scale_dtype=scale_dtype)
+    groups = d // (group or d)
+    assert q.codes.dtype == torch.uint8 and q.codes.shape == (b, h, t, d * bits // 8)
+    assert q.scale.shape == q.zero.shape == (b, h, t, groups)
+    assert q.scale.dtype == q.zero.dtype == scale_dtype
+    out = dequantize(q, bits, dtype=torch.bfloat16)
+    assert out.shape == x.shape and out.dtype == torch.bfloat16

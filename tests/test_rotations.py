@@ -1,0 +1,206 @@
+"""oscar_hf.rotations: Hadamard matrices, data-free bundles, save/load (local, subfolder, Hub cache), validation."""
+
+import copy
+import json
+import os
+import time
+
+import huggingface_hub
+import pytest
+import torch
+from conftest import make_model
+from safetensors.torch import load_file
+
+from oscar_hf.config import OscarConfig
+from oscar_hf.rotations import OscarRotations, hadamard_matrix
+
+TENSOR_NAMES = ("key_rotation", "value_rotation", "key_eigenvalues", "value_eigenvalues")
+
+
+def random_orthogonal(layers: int, dim: int, seed: int) -> torch.Tensor:
+    q = torch.linalg.qr(torch.randn(layers, dim, dim, generator=torch.Generator().manual_seed(seed))).Q
+    return q.contiguous()
+
+
+def random_bundle(layers: int = 2, dim: int = 64) -> OscarRotations:
+    generator = torch.Generator().manual_seed(dim)
+    return OscarRotations(
+        random_orthogonal(layers, dim, seed=1),
+        random_orthogonal(layers, dim, seed=2),
+        num_kv_heads=2,
+        key_eigenvalues=torch.rand(layers, dim, generator=generator),
+        value_eigenvalues=torch.rand(layers, dim, generator=generator),
+        source_model="org/tiny-model",
+        method="oscar",
+        calibration={"dataset": "wikitext-2", "tokens": 4096, "targets": ["k", "v"]},
+        config=OscarConfig(bits=4, group_size=32, k_clip=1.0, scale_dtype="float32"),
+    )
+
+
+def assert_same_bundle(loaded: OscarRotations, saved: OscarRotations):
+    for name in TENSOR_NAMES:
+        assert torch.equal(getattr(loaded, name), getattr(saved, name)), name
+    for name in ("num_kv_heads", "source_model", "method", "calibration", "config"):
+        assert getattr(loaded, name) == getattr(saved, name), name
+
+
+# ---------------------------------------------------------------------------------------------- hadamard
+@pytest.mark.parametrize("n", [1, 2, 64, 128, 256], ids=lambda n: f"n{n}")
+def test_hadamard_is_orthonormal_symmetric_pm_one_over_sqrt_n(n):
+    h = hadamard_matrix(n)
+    assert h.shape == (n, n)
+    torch.testing.assert_close(h @ h.T, torch.eye(n, dtype=h.dtype))
+    assert torch.equal(h, h.T)
+    torch.testing.assert_close(h.abs(), torch.full_like(h, n**-0.5), rtol=1e-15, atol=0)
+
+
+@pytest.mark.parametrize("n", [0, 96, 100], ids=lambda n: f"n{n}")
+def test_hadamard_rejects_non_powers_of_two(n):
+    with pytest.raises(ValueError, match="head_dim"):
+        hadamard_matrix(n)
+
+
+# ------------------------------------------------------------------------------------- data-free bundles
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(("qwen3-gqa-qknorm-d128", 128, 2), id="qwen3-D128-kv2"),
+        pytest.param(("mistral-gqa-d64", 64, 1), id="mistral-D64-kv1"),
+    ],
+)
+def tiny(request):
+    arch, head_dim, kv_heads = request.param
+    return make_model(arch).config, head_dim, kv_heads
+
+
+@pytest.mark.parametrize("method", ["identity", "hadamard"])
+def test_data_free_bundles(tiny, method):
+    config, head_dim, kv_heads = tiny
+    bundle = getattr(OscarRotations, method)(config)
+    matrix = torch.eye(head_dim) if method == "identity" else hadamard_matrix(head_dim).float()
+    assert (bundle.method, bundle.num_layers, bundle.head_dim, bundle.num_kv_heads) == (method, 2, head_dim, kv_heads)
+    for rotation in (bundle.key_rotation, bundle.value_rotation):
+        assert rotation.dtype == torch.float32 and rotation.shape == (2, head_dim, head_dim)
+        assert torch.equal(rotation, matrix.expand(2, -1, -1))
+    assert torch.equal(bundle.key_eigenvalues, torch.zeros(2, head_dim))
+    bundle.check_compatible(config)
+
+
+@pytest.mark.parametrize(
+    "field, value, name",
+    [
+        pytest.param("num_hidden_layers", 3, "num_layers", id="num_layers"),
+        pytest.param("head_dim", 64, "head_dim", id="head_dim"),
+        pytest.param("num_key_value_heads", 1, "num_kv_heads", id="num_kv_heads"),
+    ],
+)
+def test_check_compatible_names_the_mismatch(field, value, name):
+    config = make_model("qwen3-gqa-qknorm-d128").config
+    bundle = OscarRotations.identity(config)
+    other = copy.deepcopy(config)
+    setattr(other, field, value)
+    with pytest.raises(ValueError, match=rf"\b{name} is"):
+        bundle.check_compatible(other)
+
+
+# ------------------------------------------------------------------------------------------ save / load
+def test_save_load_round_trip(tmp_path):
+    bundle = random_bundle()
+    bundle.save_pretrained(tmp_path / "bundle")
+    assert sorted(os.listdir(tmp_path / "bundle")) == ["README.md", "oscar_config.json", "rotations.safetensors"]
+    tensors = load_file(tmp_path / "bundle" / "rotations.safetensors")
+    assert sorted(tensors) == sorted(TENSOR_NAMES)
+    assert_same_bundle(OscarRotations.from_pretrained(tmp_path / "bundle"), bundle)
+
+
+def test_same_rotation_for_keys_and_values_saves(tmp_path):
+    rotation = random_orthogonal(2, 64, seed=3)
+    bundle = OscarRotations(rotation, rotation, num_kv_heads=2)
+    bundle.save_pretrained(tmp_path)
+    assert_same_bundle(OscarRotations.from_pretrained(tmp_path), bundle)
+
+
+def test_load_from_subfolder(tmp_path):
+    bundle = random_bundle()
+    bundle.save_pretrained(tmp_path / "qwen3-tiny")
+    assert_same_bundle(OscarRotations.from_pretrained(tmp_path, subfolder="qwen3-tiny"), bundle)
+
+
+def test_load_from_offline_hub_cache(tmp_path, monkeypatch):
+    assert huggingface_hub.constants.HF_HUB_OFFLINE  # set by conftest before huggingface_hub was imported
+    monkeypatch.chdir(tmp_path)  # "org/rotation-zoo" must not resolve to a local folder
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--org--rotation-zoo"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(sha)
+    bundle = random_bundle()
+    bundle.save_pretrained(repo / "snapshots" / sha / "qwen3-tiny")
+    loaded = OscarRotations.from_pretrained("org/rotation-zoo", subfolder="qwen3-tiny", cache_dir=tmp_path / "hub")
+    assert_same_bundle(loaded, bundle)
+    start = time.perf_counter()
+    with pytest.raises(huggingface_hub.errors.LocalEntryNotFoundError):
+        OscarRotations.from_pretrained("org/missing-zoo", subfolder="qwen3-tiny", cache_dir=tmp_path / "hub")
+    assert time.perf_counter() - start < 5
+
+
+# ----------------------------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("which", ["key_rotation", "value_rotation"])
+def test_non_orthogonal_rotation_raises(which):
+    rotations = {"key_rotation": random_orthogonal(3, 64, seed=1), "value_rotation": random_orthogonal(3, 64, seed=2)}
+    rotations[which][1] *= 1.01
+    with pytest.raises(ValueError, match=rf"{which} of layer 1 is not orthogonal"):
+        OscarRotations(**rotations, num_kv_heads=2)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=str)
+def test_non_finite_rotation_raises(bad):
+    rotation = random_orthogonal(2, 64, seed=1)
+    rotation[1, 3, 5] = bad
+    with pytest.raises(ValueError, match="NaN or inf"):
+        OscarRotations(rotation, random_orthogonal(2, 64, seed=2), num_kv_heads=2)
+
+
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        pytest.param(random_orthogonal(1, 64, 1)[0], random_orthogonal(1, 64, 2)[0], r"\[layers, head_dim", id="2d"),
+        pytest.param(torch.zeros(2, 64, 32), random_orthogonal(2, 64, 2), r"\[layers, head_dim", id="not-square"),
+        pytest.param(random_orthogonal(2, 64, 1), random_orthogonal(3, 64, 2), "differs", id="layers-mismatch"),
+        pytest.param(random_orthogonal(2, 64, 1), random_orthogonal(2, 32, 2), "differs", id="head_dim-mismatch"),
+    ],
+)
+def test_bad_rotation_shapes_raise(key, value, match):
+    with pytest.raises(ValueError, match=match):
+        OscarRotations(key, value, num_kv_heads=2)
+
+
+@pytest.mark.parametrize("which", ["key_eigenvalues", "value_eigenvalues"])
+@pytest.mark.parametrize("shape", [(2, 32), (3, 64), (64,)], ids=str)
+def test_eigenvalue_shape_mismatch_raises(which, shape):
+    rotations = random_orthogonal(2, 64, seed=1), random_orthogonal(2, 64, seed=2)
+    with pytest.raises(ValueError, match=which):
+        OscarRotations(*rotations, num_kv_heads=2, **{which: torch.rand(shape)})
+
+
+@pytest.mark.parametrize("missing", ["rotations.safetensors", "oscar_config.json"])
+def test_missing_file_raises(tmp_path, missing):
+    random_bundle().save_pretrained(tmp_path)
+    (tmp_path / missing).unlink()
+    with pytest.raises(FileNotFoundError, match=missing):
+        OscarRotations.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("version", [2, "1", None], ids=repr)
+def test_bad_format_version_raises(tmp_path, version):
+    random_bundle().save_pretrained(tmp_path)
+    path = tmp_path / "oscar_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "format_version": version}))
+    with pytest.raises(ValueError, match="format_version"):
+        OscarRotations.from_pretrained(tmp_path)
+
+
+def test_invalid_json_raises(tmp_path):
+    random_bundle().save_pretrained(tmp_path)
+    (tmp_path / "oscar_config.json").write_text('{"format_version": 1,')
+    with pytest.raises(ValueError, match="not valid JSON"):
+        OscarRotations.from_pretrained(tmp_path)
