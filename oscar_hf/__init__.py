@@ -3,10 +3,14 @@
 Data flow: calibrate → OscarRotations → OscarQuantizedCache → "oscar" attention → kernels.
 """
 
+from .absorb import absorb_value_rotation
 from .attention import oscar_attention_forward, register
 from .cache import OscarKV, OscarLayer, OscarQuantizedCache, enable
+from .calibrate import calibrate
 from .config import OscarConfig
+from .diagnostics import diagnose
 from .model_support import ModelShape, UnsupportedModelError, check_model_supported
+from .recipes import load_recipe
 from .rotations import OscarRotations, hadamard_matrix
 
 __version__ = "0.1.0"
@@ -14,6 +18,10 @@ __version__ = "0.1.0"
 register()
 
 __all__ = [
+    "absorb_value_rotation",
+    "calibrate",
+    "diagnose",
+    "load_recipe",
     "ModelShape",
     "OscarConfig",
     "OscarKV",

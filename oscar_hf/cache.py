@@ -2,9 +2,11 @@
 
 Per full-attention layer and KV head the cached sequence is ``sink ‖ history ‖ recent``:
 
-* ``sink``    model dtype ``[B, H, sink_tokens, D]``: the first tokens;
+* ``sink``    model dtype ``[B, H, ≤ sink_tokens, D]``: the first tokens;
 * ``history`` packed codes uint8 ``[B, H, N, D·bits/8]`` with scale and zero ``[B, H, N, D/group]``;
-* ``recent``  model dtype ``[B, H, recent_tokens + flush_tokens - 1, D]``: the newest tokens.
+* ``recent``  model dtype ``[B, H, ≤ recent_tokens + flush_tokens - 1, D]``: the newest tokens.
+
+Window buffers grow up to those sizes; the history grows in chunks of at least HISTORY_GROWTH tokens.
 
 Everything is stored rotated (``k @ R_K``, ``v @ R_V``). ``update`` returns :class:`OscarKV`
 handles instead of dense tensors; the attention function registered as ``"oscar"`` reads the
@@ -96,6 +98,12 @@ class _Segment:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
+def _reserve(segment: _Segment, used: int, needed: int, limit: int) -> None:
+    """Grow a window segment (doubling, at most to ``limit`` tokens) so that it holds ``needed`` tokens."""
+    if needed > segment.capacity:
+        segment.grow(used, min(limit, max(needed, 2 * segment.capacity, 16)))
+
+
 class OscarLayer(CacheLayerMixin):
     """One full-attention layer's OSCAR storage. See the module docstring for the layout."""
 
@@ -123,17 +131,16 @@ class OscarLayer(CacheLayerMixin):
         self.key_rotation = self.key_rotation.to(self.device, torch.float32)
         self.value_rotation = self.value_rotation.to(self.device, torch.float32)
 
-        def window(tokens: int) -> _Segment:
-            rows = torch.empty(batch, heads, tokens, dim, dtype=self.dtype, device=self.device)
-            return _Segment({"key": rows, "value": rows.clone()})
+        def empty(*tail: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.empty(batch, heads, 0, *tail, dtype=dtype, device=self.device)
 
-        self.sink = window(cfg.sink_tokens)
-        self.recent = window(cfg.recent_tokens + cfg.flush_tokens - 1)
-        codes = torch.empty(batch, heads, 0, dim * cfg.bits // 8, dtype=torch.uint8, device=self.device)
-        scale = torch.empty(batch, heads, 0, dim // self.group_size, dtype=cfg.torch_scale_dtype, device=self.device)
-        self.history = _Segment(
-            {f"{side}_{part}": t.clone() for side in ("key", "value") for part, t in (("codes", codes), ("scale", scale), ("zero", scale))}
-        )
+        self.sink = _Segment({"key": empty(dim, dtype=self.dtype), "value": empty(dim, dtype=self.dtype)})
+        self.recent = _Segment({"key": empty(dim, dtype=self.dtype), "value": empty(dim, dtype=self.dtype)})
+        codes, groups, scale_dtype = dim * cfg.bits // 8, dim // self.group_size, cfg.torch_scale_dtype
+        self.history = _Segment({
+            f"{side}_{part}": empty(codes, dtype=torch.uint8) if part == "codes" else empty(groups, dtype=scale_dtype)
+            for side in ("key", "value") for part in ("codes", "scale", "zero")
+        })
         self.is_initialized = True
 
     # -------------------------------------------------------------------------------- writes
@@ -156,11 +163,13 @@ class OscarLayer(CacheLayerMixin):
         n = new["key"].shape[2]
         to_sink = min(cfg.sink_tokens - self.n_sink, n)
         if to_sink:
+            _reserve(self.sink, self.n_sink, self.n_sink + to_sink, cfg.sink_tokens)
             self.sink.write(self.n_sink, {s: t[:, :, :to_sink] for s, t in new.items()})
             self.n_sink += to_sink
         rest = {s: t[:, :, to_sink:] for s, t in new.items()}
-        resident = self.n_recent + (n - to_sink)
-        if resident <= self.recent.capacity:
+        resident, limit = self.n_recent + (n - to_sink), cfg.recent_tokens + cfg.flush_tokens - 1
+        if resident <= limit:
+            _reserve(self.recent, self.n_recent, resident, limit)
             self.recent.write(self.n_recent, rest)
             self.n_recent = resident
             return
@@ -168,6 +177,7 @@ class OscarLayer(CacheLayerMixin):
         window = {s: torch.cat([self.recent[s][:, :, : self.n_recent], t], dim=2) for s, t in rest.items()}
         demoted = resident - cfg.recent_tokens
         self._quantize_into_history({s: t[:, :, :demoted] for s, t in window.items()})
+        _reserve(self.recent, 0, cfg.recent_tokens, limit)
         self.recent.write(0, {s: t[:, :, demoted:] for s, t in window.items()})
         self.n_recent = cfg.recent_tokens
 

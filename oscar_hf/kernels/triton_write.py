@@ -1,0 +1,188 @@
+"""Triton write kernel: clip, quantize and pack K and V rows in one launch.
+
+The pure-torch twin (and oracle) is :func:`oscar_hf.quantizer.quantize`; the kernel reproduces it
+bit for bit (codes, scale and zero) for the uniform quantizer:
+
+* clip threshold ``τ = sort(|x|)[floor(c·D)]``, found exactly by bisection on the bit pattern of
+  ``|x|`` (non-negative floats order like their int32 bits), so ties give the same ``τ`` as the sort;
+* per group ``zero = min`` rounded down and ``scale = (max - zero) / levels`` rounded up to the scale
+  dtype (IEEE divisions, ``div_rn``), codes ``floor((x - zero) / scale + 0.5)`` clamped to the levels;
+* packing: byte ``j`` holds channels ``j, j + D/n, …`` (``n = 8 / bits``) at bit offsets ``0, bits, …``.
+
+Non-finite input (or a scale/zero that overflows the scale dtype) sets a flag word in the kernel;
+the launcher reads that word back (one 4-byte device-to-host copy, i.e. one synchronisation per call;
+no extra pass over the input) and raises the same ValueError as the oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..quantizer import QuantizedRows, clip_index, quantize
+
+FP32_MAX = 3.4028234663852886e38
+TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _round_to(x, DT: tl.constexpr, UP: tl.constexpr):
+    """fp32 ``x`` → ``DT``, rounded up (UP) or down instead of to nearest (any conversion rounding)."""
+    y = x.to(DT, fp_downcast_rounding="rtne")
+    if DT != tl.float32:
+        yf = y.to(tl.float32)
+        bits = y.to(tl.int16, bitcast=True)
+        if UP:  # toward +inf: positive y gains magnitude, negative y loses it, ±0 → smallest subnormal
+            step = tl.where(yf > 0, bits + 1, tl.where(yf == 0, 1, bits - 1)).to(tl.int16)
+            y = tl.where(yf < x, step.to(DT, bitcast=True), y)
+        else:
+            step = tl.where(yf > 0, bits - 1, tl.where(yf == 0, -32767, bits + 1)).to(tl.int16)
+            y = tl.where(yf > x, step.to(DT, bitcast=True), y)
+    return y
+
+
+@triton.jit
+def _quantize_block(
+    x_ptr, stride_p, stride_n, n_per_p, rows, out_row0,
+    codes_ptr, scale_ptr, zero_ptr, flag_ptr, tiny,
+    FLAG_SHIFT: tl.constexpr, CLIP_INDEX: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
+    BITS: tl.constexpr, BLOCK_R: tl.constexpr, SCALE_DT: tl.constexpr,
+):
+    NG: tl.constexpr = D // GROUP
+    NSUB: tl.constexpr = 8 // BITS
+    W: tl.constexpr = D // NSUB
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = r < rows
+    cols = tl.arange(0, D)
+    src = (r // n_per_p).to(tl.int64) * stride_p + (r % n_per_p).to(tl.int64) * stride_n
+    x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    bad = tl.max(tl.max(tl.where(tl.abs(x) <= FP32_MAX, 0, 1), axis=1), axis=0)  # NaN compares False
+    if CLIP_INDEX >= 0:  # τ bits = smallest v with #{|x| bits <= v} > CLIP_INDEX (exact order statistic)
+        a = tl.abs(x).to(tl.int32, bitcast=True)
+        lo = tl.zeros([BLOCK_R], tl.int32)
+        hi = tl.full([BLOCK_R], 0x7F800000, tl.int32)
+        for _ in range(31):
+            mid = lo + ((hi - lo) >> 1)
+            enough = tl.sum((a <= mid[:, None]).to(tl.int32), axis=1) > CLIP_INDEX
+            hi = tl.where(enough, mid, hi)
+            lo = tl.where(enough, lo, mid + 1)
+        tau = hi.to(tl.float32, bitcast=True)[:, None]
+        x = tl.minimum(tl.maximum(x, -tau), tau)
+    xg = tl.reshape(x, [BLOCK_R, NG, GROUP])
+    zero = _round_to(tl.min(xg, axis=2), SCALE_DT, False)
+    z32 = zero.to(tl.float32)
+    step = tl.maximum(tl.math.div_rn(tl.max(xg, axis=2) - z32, tl.full([BLOCK_R, NG], LEVELS, tl.float32)), tiny)
+    scale = _round_to(step, SCALE_DT, True)
+    s32 = scale.to(tl.float32)
+    overflow = tl.max(tl.max(tl.where((tl.abs(z32) <= FP32_MAX) & (s32 <= FP32_MAX), 0, 2), axis=1), axis=0)
+    flags = tl.where(bad != 0, 1, overflow) << FLAG_SHIFT
+    tl.atomic_or(flag_ptr, flags, mask=flags != 0)
+    codes = tl.floor(tl.math.div_rn(xg - z32[:, :, None], tl.broadcast_to(s32[:, :, None], xg.shape)) + 0.5)
+    codes = tl.minimum(tl.maximum(codes, 0.0), LEVELS).to(tl.int32)
+    shifts = (tl.arange(0, NSUB) * BITS)[None, :, None]
+    packed = tl.sum(tl.reshape(codes, [BLOCK_R, NSUB, W]) << shifts, axis=1)  # disjoint bit fields: sum == or
+    out = (out_row0 + r).to(tl.int64)
+    tl.store(codes_ptr + out[:, None] * W + tl.arange(0, W)[None, :], packed.to(tl.uint8), mask=live[:, None])
+    meta = out[:, None] * NG + tl.arange(0, NG)[None, :]
+    tl.store(scale_ptr + meta, scale, mask=live[:, None])
+    tl.store(zero_ptr + meta, zero, mask=live[:, None])
+
+
+@triton.jit
+def _quantize_kv_kernel(
+    k_ptr, k_stride_p, k_stride_n, v_ptr, v_stride_p, v_stride_n, n_per_p, rows,
+    codes_ptr, scale_ptr, zero_ptr, flag_ptr, tiny,
+    K_CLIP_INDEX: tl.constexpr, V_CLIP_INDEX: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
+    BITS: tl.constexpr, BLOCK_R: tl.constexpr, SCALE_DT: tl.constexpr,
+):
+    # grid (row blocks, sides): side 0 quantizes K into output rows [0, rows), side 1 V into [rows, 2·rows).
+    if tl.program_id(1) == 0:
+        _quantize_block(k_ptr, k_stride_p, k_stride_n, n_per_p, rows, 0, codes_ptr, scale_ptr, zero_ptr, flag_ptr,
+                        tiny, 0, K_CLIP_INDEX, D, GROUP, BITS, BLOCK_R, SCALE_DT)
+    else:
+        _quantize_block(v_ptr, v_stride_p, v_stride_n, n_per_p, rows, rows, codes_ptr, scale_ptr, zero_ptr, flag_ptr,
+                        tiny, 2, V_CLIP_INDEX, D, GROUP, BITS, BLOCK_R, SCALE_DT)
+
+
+def _rows_view(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., n, D]`` as ``[P, n, D]`` with unit stride on D (a view when the leading dims collapse)."""
+    x3 = x.reshape(-1, *x.shape[-2:]) if x.dim() >= 2 else x.reshape(1, 1, -1)
+    return x3 if x3.stride(-1) == 1 else x3.contiguous()
+
+
+def kernel_supports(d: int, group: int, method: str) -> bool:
+    """Whether the kernel handles this row width, group size and quantizer (else the oracle runs)."""
+    return method == "uniform" and d >= 8 and d & (d - 1) == 0 and group <= d
+
+
+def quantize_pack_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    bits: int = 2,
+    group_size: int | None = None,
+    k_clip: float = 1.0,
+    v_clip: float = 1.0,
+    scale_dtype: torch.dtype = torch.float16,
+    method: str = "uniform",
+) -> tuple[QuantizedRows, QuantizedRows]:
+    """Quantize K and V rows (``[..., D]``, same shape, bf16/fp16/fp32, any leading strides) in one launch.
+
+    Returns ``(QuantizedRows for key, QuantizedRows for value)``: codes uint8 ``[..., D·bits/8]``, scale
+    and zero ``[..., D/group]`` in ``scale_dtype``, equal to ``quantizer.quantize`` on each side. The
+    Lloyd-Max quantizer and non-power-of-two D fall back to that oracle.
+    """
+    d = key.shape[-1]
+    group = group_size or d
+    if key.shape != value.shape or not kernel_supports(d, group, method):
+        return (quantize(key, bits=bits, group_size=group_size, clip=k_clip, scale_dtype=scale_dtype, method=method),
+                quantize(value, bits=bits, group_size=group_size, clip=v_clip, scale_dtype=scale_dtype, method=method))
+    return _launch((key, value), (k_clip, v_clip), bits, group, scale_dtype)
+
+
+def quantize_pack(
+    x: torch.Tensor,
+    *,
+    bits: int = 2,
+    group_size: int | None = None,
+    clip: float = 1.0,
+    scale_dtype: torch.dtype = torch.float16,
+    method: str = "uniform",
+) -> QuantizedRows:
+    """Drop-in for :func:`oscar_hf.quantizer.quantize` (one side, ``x [..., D]``); see :func:`quantize_pack_kv`."""
+    group = group_size or x.shape[-1]
+    if not kernel_supports(x.shape[-1], group, method):
+        return quantize(x, bits=bits, group_size=group_size, clip=clip, scale_dtype=scale_dtype, method=method)
+    return _launch((x,), (clip,), bits, group, scale_dtype)[0]
+
+
+def _launch(sides, clips, bits, group, scale_dtype) -> tuple[QuantizedRows, ...]:
+    """One launch over 1 or 2 same-shape sides; raises the oracle's ValueErrors from the kernel's flag word."""
+    views = [_rows_view(x) for x in sides]
+    k3, v3 = views[0], views[-1]
+    d, n, rows = k3.shape[2], k3.shape[1], k3.shape[0] * k3.shape[1]
+    ng, width, device = d // group, d * bits // 8, k3.device
+    codes = torch.empty(len(sides), rows, width, dtype=torch.uint8, device=device)
+    scale = torch.empty(len(sides), rows, ng, dtype=scale_dtype, device=device)
+    zero = torch.empty_like(scale)
+    if rows:
+        flag = torch.zeros(1, dtype=torch.int32, device=device)
+        clip_indices = [clip_index(c, d) if c < 1.0 else -1 for c in clips]
+        block_r = max(1, 2048 // d)
+        _quantize_kv_kernel[(triton.cdiv(rows, block_r), len(sides))](
+            k3, k3.stride(0), k3.stride(1), v3, v3.stride(0), v3.stride(1), n, rows,
+            codes, scale, zero, flag, torch.finfo(scale_dtype).tiny,
+            K_CLIP_INDEX=clip_indices[0], V_CLIP_INDEX=clip_indices[-1],
+            D=d, GROUP=group, BITS=bits, BLOCK_R=block_r, SCALE_DT=TL_DTYPES[scale_dtype], num_warps=4,
+        )
+        flags = int(flag.item())
+        for side in (0, 2):  # the oracle's order: K before V, non-finite input before overflow
+            if flags >> side & 1:
+                raise ValueError("cannot quantize K/V rows that contain NaN or inf")
+            if flags >> side & 2:
+                raise ValueError(f"K/V values exceed the range of scale_dtype {scale_dtype}; use scale_dtype='float32'")
+    lead = sides[0].shape[:-1]
+    return tuple(QuantizedRows(codes[i].view(*lead, width), scale[i].view(*lead, ng), zero[i].view(*lead, ng))
+                 for i in range(len(sides)))
