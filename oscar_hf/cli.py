@@ -1,4 +1,4 @@
-"""The ``oscar-hf`` command: demo, calibrate, info, generate."""
+"""The ``oscar-hf`` command: demo, calibrate, info, generate, eval."""
 
 from __future__ import annotations
 
@@ -115,6 +115,23 @@ def cmd_generate(args) -> None:
         print_pair(prompt, default, oscar)
 
 
+def cmd_eval(args) -> None:
+    from .evaluation.methods import METHODS
+    from .evaluation.runner import run_eval
+    from .rotations import OscarRotations
+
+    calibrated = OscarRotations.from_pretrained(args.rotations, subfolder=args.subfolder) if args.rotations else None
+    methods = args.methods.split(",") if args.methods else [
+        m.name for m in METHODS.values() if m.rotations != "calibrated" or calibrated is not None
+    ]
+    model, tokenizer = load_model(args.model, args.dtype)
+    text = Path(args.text).read_text(encoding="utf-8") if args.text else None
+    run_eval(model, tokenizer, args.model, methods, args.tasks.split(","), args.out, calibrated=calibrated,
+             text=text, contexts=[int(c) for c in args.contexts.split(",")], score_tokens=args.score_tokens,
+             segments=args.segments, niah_lengths=[int(n) for n in args.niah_lengths.split(",")],
+             gsm8k_path=args.gsm8k, gsm8k_limit=args.limit)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="oscar-hf", description="OSCAR 2-bit KV cache for Hugging Face Transformers")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -156,6 +173,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     gen.set_defaults(func=cmd_generate)
+
+    ev = sub.add_parser("eval", help="compare KV methods (bf16, int4, naive-int2, quarot-int2, oscar, ...) on tasks")
+    ev.add_argument("--model", required=True)
+    ev.add_argument("--rotations", help="calibrated bundle for the oscar methods")
+    ev.add_argument("--subfolder")
+    ev.add_argument("--methods", help="comma-separated; default: every method the bundle allows")
+    ev.add_argument("--tasks", default="perplexity", help="comma-separated from perplexity, niah, gsm8k")
+    ev.add_argument("--out", required=True)
+    ev.add_argument("--text", help="evaluation text for perplexity and niah (e.g. WikiText-2 test, raw)")
+    ev.add_argument("--contexts", default="512,1024", help="prefilled tokens before the scored ones")
+    ev.add_argument("--score-tokens", type=int, default=128)
+    ev.add_argument("--segments", type=int, default=8)
+    ev.add_argument("--niah-lengths", default="1024,2048")
+    ev.add_argument("--gsm8k", help="GSM8K test jsonl")
+    ev.add_argument("--limit", type=int, help="first N GSM8K items")
+    ev.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    ev.set_defaults(func=cmd_eval)
     return parser
 
 

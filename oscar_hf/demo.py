@@ -90,21 +90,25 @@ def run_demo(model_name: str | None = None, num_tokens: int = 8000, max_new_toke
         model = AutoModelForCausalLM.from_pretrained(model_name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(model_name)
     model.eval()
-    config = load_recipe("smollm2-135m").cache
+    recipe = load_recipe("smollm2-135m")
+    config, settings = recipe.cache, {**recipe.calibrate_kwargs(), "num_tokens": num_tokens, "max_length": 1024}
     text = calibration_text()
-    print(f"\nCalibrating on {num_tokens} tokens of Austen's Emma (two passes: query covariance, then "
-          "key-weighted value covariance)...")
-    rotations = calibrate(model, tokenizer, [text], num_tokens=num_tokens, max_length=1024,
-                          diagnostic_tokens=2048, config=config)
+    print(f"\nCalibrating on {num_tokens} tokens of Austen's Emma, with the reference targets (query covariance "
+          "for K, key-weighted values for V: two passes) and with this model's recipe "
+          f"({settings['k_target']}/{settings['v_target']}, U in {settings['eigen_order']} order)...")
+    reference = calibrate(model, tokenizer, [text], **{**settings, "k_target": "qqt", "v_target": "sst",
+                                                       "eigen_order": "ascending"}, diagnostic_tokens=0, config=config)
+    rotations = calibrate(model, tokenizer, [text], **settings, diagnostic_tokens=2048, config=config)
     rotations.source_model = model_name or "HuggingFaceTB/SmolLM2-135M-Instruct"
     rotations.calibration["data"] = "oscar_hf/data/austen_emma.txt"
     saved = rotations.save_pretrained(out_dir)
-    print(f"Saved the rotation bundle to {saved}/")
+    print(f"Saved the recipe's rotation bundle to {saved}/")
 
     held_out = torch.cat(token_chunks(tokenizer, [text], num_tokens + 2048, 1024))[num_tokens:]
     chunks = list(held_out.split(1024))
     named = {"identity (naive INT2)": OscarRotations.identity(model.config),
-             "hadamard (QuaRot-style)": OscarRotations.hadamard(model.config), "OSCAR (calibrated)": rotations}
+             "hadamard (QuaRot-style)": OscarRotations.hadamard(model.config),
+             "OSCAR, reference targets": reference, "OSCAR, SmolLM2 recipe": rotations}
     print(f"\nDiagnostics on {held_out.numel()} held-out tokens, every layer's K and V in INT2 "
           f"(group {config.resolved_group_size(model.config.head_dim)}, clip K {config.k_clip} V {config.v_clip}),"
           " layer means:")

@@ -16,13 +16,15 @@ no extra pass over the input) and raises the same ValueError as the oracle.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from ..quantizer import QuantizedRows, clip_index, quantize
 
-FP32_MAX = 3.4028234663852886e38
+FP32_MAX = tl.constexpr(3.4028234663852886e38)
 TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -108,7 +110,7 @@ def _quantize_kv_kernel(
 
 def _rows_view(x: torch.Tensor) -> torch.Tensor:
     """``x [..., n, D]`` as ``[P, n, D]`` with unit stride on D (a view when the leading dims collapse)."""
-    x3 = x.reshape(-1, *x.shape[-2:]) if x.dim() >= 2 else x.reshape(1, 1, -1)
+    x3 = x.reshape(math.prod(x.shape[:-2]), *x.shape[-2:]) if x.dim() >= 2 else x.reshape(1, 1, -1)
     return x3 if x3.stride(-1) == 1 else x3.contiguous()
 
 

@@ -1,0 +1,65 @@
+"""The methods registry: each KV-cache method is a named preset of OscarConfig plus rotations.
+
+``rotations`` says where a method's rotations come from: None (the default cache, no OSCAR at
+all), "identity", "hadamard" (data-free), or "calibrated" (the bundle given to the harness).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import DynamicCache
+
+from ..cache import OscarQuantizedCache
+from ..config import OscarConfig
+from ..rotations import OscarRotations
+
+NO_CLIP = {"k_clip": 1.0, "v_clip": 1.0}
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    description: str
+    rotations: str | None
+    config: dict = field(default_factory=dict)
+
+    def oscar_config(self, base: OscarConfig | None, head_dim: int) -> OscarConfig:
+        """The method's OscarConfig on top of ``base`` (the calibrated bundle's or the defaults)."""
+        overrides = dict(self.config)
+        if overrides.get("group_size") == "min(128, head_dim)":
+            overrides["group_size"] = min(128, head_dim)
+        return (base or OscarConfig()).replace(**overrides)
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("bf16", "the default cache in the model dtype", None),
+        Method("int4", "INT4 per token, group 128 (or head_dim), identity rotation, no clipping", "identity",
+               {"bits": 4, "group_size": "min(128, head_dim)", "quantizer": "uniform", **NO_CLIP}),
+        Method("naive-int2", "INT2 per token, identity rotation, no clipping", "identity",
+               {"quantizer": "uniform", **NO_CLIP}),
+        Method("quarot-int2", "INT2 per token, Hadamard rotation, no clipping", "hadamard",
+               {"quantizer": "uniform", **NO_CLIP}),
+        Method("oscar", "INT2 per token, calibrated rotations, clipping", "calibrated", {"quantizer": "uniform"}),
+        Method("oscar-lloyd-max", "as oscar, with Lloyd-Max levels", "calibrated", {"quantizer": "lloyd-max"}),
+    )
+}
+
+
+def make_cache(method: str | Method, model, calibrated: OscarRotations | None = None, **overrides):
+    """A fresh cache for ``method``: a DynamicCache for "bf16", else an OscarQuantizedCache."""
+    method = METHODS[method] if isinstance(method, str) else method
+    if method.rotations is None:
+        return DynamicCache(config=model.config)
+    if method.rotations == "calibrated":
+        if calibrated is None:
+            raise ValueError(f"method {method.name!r} needs calibrated rotations (--rotations)")
+        rotations = calibrated
+    else:
+        rotations = getattr(OscarRotations, method.rotations)(model.config)
+    base = calibrated.config if calibrated is not None else None
+    head_dim = rotations.head_dim
+    config = method.oscar_config(base, head_dim).replace(**overrides)
+    return OscarQuantizedCache.from_pretrained(rotations, model=model, config=config)

@@ -1,0 +1,78 @@
+"""Needle in a haystack (RULER-style single needle) in real text, over a grid of depth × length."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from .methods import make_cache
+
+NEEDLE = "The special magic number is {number}."
+QUESTION = "What is the special magic number mentioned in the text above? Answer with the number only."
+
+
+def needle_prompt(tokenizer, text: str, length: int, depth: float, number: int) -> torch.Tensor:
+    """Chat-formatted input ids of about ``length`` tokens: ``text`` with the needle at ``depth`` (0..1)."""
+    overhead = len(tokenizer(NEEDLE.format(number=number) + "\n\n" + QUESTION)["input_ids"]) + 16
+    haystack = tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"][: max(length - overhead, 1)])
+    cut = int(len(haystack) * depth)
+    sentence_end = haystack.rfind(". ", 0, cut)
+    cut = sentence_end + 2 if sentence_end > 0 and depth > 0 else cut
+    document = f"{haystack[:cut]} {NEEDLE.format(number=number)} {haystack[cut:]}".strip()
+    messages = [{"role": "user", "content": f"{document}\n\n{QUESTION}"}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                         return_dict=True)["input_ids"]
+
+
+@torch.no_grad()
+def evaluate_niah(model, tokenizer, text: str, lengths: list[int], depths: list[float], methods: list[str],
+                  calibrated=None, seed: int = 0, progress=None) -> list[dict]:
+    """Rows with metric "needle_found" (0 or 1) per method, length (context) and depth."""
+    rng = random.Random(seed)
+    rows = []
+    for length in lengths:
+        for depth in depths:
+            number = rng.randrange(1_000_000, 10_000_000)
+            ids = needle_prompt(tokenizer, text, length, depth, number).to(model.device)
+            for name in methods:
+                cache = make_cache(name, model, calibrated)
+                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                                     max_new_tokens=12, do_sample=False,
+                                     pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+                answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+                found = float(str(number) in answer.replace(",", ""))
+                bits = getattr(cache, "bits_per_element", None) or 8.0 * next(model.parameters()).element_size()
+                rows.append(dict(method=name, task="niah", context=ids.shape[1], metric="needle_found", value=found,
+                                 bits_per_element=bits, depth=depth, target_length=length))
+                if progress:
+                    progress(f"niah length {length} depth {depth:.2f} {name}: {'found' if found else 'missed'}")
+    return rows
+
+
+def plot_niah(rows: list[dict], path) -> None:
+    """One heatmap (depth × length, 1 = needle found) per method, side by side, saved as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r["task"] == "niah"]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    lengths = sorted({r["target_length"] for r in rows})
+    depths = sorted({r["depth"] for r in rows})
+    fig, axes = plt.subplots(1, len(methods), figsize=(2.2 * len(methods) + 1, 3), squeeze=False)
+    for ax, method in zip(axes[0], methods):
+        grid = torch.full((len(depths), len(lengths)), float("nan"))
+        for r in rows:
+            if r["method"] == method:
+                grid[depths.index(r["depth"]), lengths.index(r["target_length"])] = r["value"]
+        ax.imshow(grid.numpy(), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_title(method, fontsize=9)
+        ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" if n >= 1024 else str(n) for n in lengths], fontsize=7)
+        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
+        ax.set_xlabel("length", fontsize=8)
+    axes[0][0].set_ylabel("needle depth", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,100 @@
+"""`oscar-hf eval`: run tasks for several methods, print a table, write results.csv and plots."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from .gsm8k import evaluate_gsm8k, load_gsm8k
+from .niah import evaluate_niah, plot_niah
+from .perplexity import evaluate_perplexity, text_segments
+
+TASKS = ("perplexity", "niah", "gsm8k")
+COLUMNS = ("model", "method", "task", "context", "metric", "value", "bits_per_element")
+
+
+def run_eval(model, tokenizer, model_name: str, methods: list[str], tasks: list[str], out_dir: str | Path, *,
+             calibrated=None, text: str | None = None, contexts=(512, 1024), score_tokens: int = 128,
+             segments: int = 8, niah_lengths=(1024, 2048), niah_depths=(0.0, 0.25, 0.5, 0.75, 1.0),
+             gsm8k_path: str | None = None, gsm8k_limit: int | None = None) -> list[dict]:
+    """Evaluate ``methods`` on ``tasks``; returns the rows and writes ``out_dir/results.csv`` and PNG plots."""
+    unknown = sorted(set(tasks) - set(TASKS))
+    if unknown:
+        raise ValueError(f"unknown task(s) {unknown}; known: {list(TASKS)}")
+    if {"perplexity", "niah"} & set(tasks) and not text:
+        raise ValueError("the perplexity and niah tasks need an evaluation text (--text)")
+    if "gsm8k" in tasks and not gsm8k_path:
+        raise ValueError("the gsm8k task needs the GSM8K test jsonl (--gsm8k)")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    if "perplexity" in tasks:
+        batch = text_segments(tokenizer, text, segments, max(contexts) + score_tokens)
+        rows += [
+            r
+            for context in contexts
+            for r in evaluate_perplexity(model, batch[:, max(contexts) - context :], [context], methods, calibrated,
+                                         progress=print)
+        ]
+    if "niah" in tasks:
+        rows += evaluate_niah(model, tokenizer, text, list(niah_lengths), list(niah_depths), methods, calibrated,
+                              progress=print)
+        plot_niah(rows, out / "niah.png")
+    if "gsm8k" in tasks:
+        rows += evaluate_gsm8k(model, tokenizer, load_gsm8k(gsm8k_path, gsm8k_limit), methods, calibrated,
+                               progress=print)
+    for row in rows:
+        row["model"] = model_name
+    write_csv(rows, out / "results.csv")
+    if "perplexity" in tasks:
+        plot_perplexity(rows, out / "perplexity.png")
+    print(format_results(rows))
+    return rows
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def format_results(rows: list[dict]) -> str:
+    """Method × (task, metric, context) table, NIAH as the fraction of cells found, then bits per element."""
+    summary: dict[tuple, dict[str, list[float]]] = {}
+    bits: dict[str, float] = {}
+    for r in rows:
+        key = (r["task"], r["metric"], "all" if r["task"] == "niah" else r["context"])
+        summary.setdefault(key, {}).setdefault(r["method"], []).append(r["value"])
+        bits[r["method"]] = r["bits_per_element"]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    lines = [f"{'task / metric / context':<34}" + "".join(f"{m:>17}" for m in methods)]
+    for key, values in summary.items():
+        cells = [f"{sum(values[m]) / len(values[m]):.4g}" if m in values else "-" for m in methods]
+        lines.append(f"{' / '.join(map(str, key)):<34}" + "".join(f"{c:>17}" for c in cells))
+    lines.append(f"{'bits per element (last run)':<34}" + "".join(f"{bits[m]:>17.3f}" for m in methods))
+    return "\n".join(lines)
+
+
+def plot_perplexity(rows: list[dict], path: Path) -> None:
+    """Perplexity gap to bf16 against context, one line per method (bits per element in the legend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ppl = [r for r in rows if r["metric"] == "perplexity"]
+    reference = {r["context"]: r["value"] for r in ppl if r["method"] == "bf16"}
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for method in dict.fromkeys(r["method"] for r in ppl):
+        points = sorted((r["context"], r["value"] - reference.get(r["context"], 0.0), r["bits_per_element"])
+                        for r in ppl if r["method"] == method)
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o",
+                label=f"{method} ({points[-1][2]:.2f} bits)")
+    ax.set_xlabel("context tokens before the scored ones")
+    ax.set_ylabel("perplexity − bf16" if reference else "perplexity")
+    ax.set_xscale("log", base=2)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

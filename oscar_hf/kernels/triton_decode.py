@@ -1,0 +1,399 @@
+"""Triton decode attention (one query token) over the OSCAR cache: split-K flash-decoding.
+
+The pure-torch twin (and oracle) is :func:`oscar_hf.kernels.naive.attend`.
+
+Stage 1 (grid ``B·H × splits``): each program serves one KV head's whole GQA group (``g`` query rows
+padded to ``BLOCK_H >= 16`` for ``tl.dot``) over one range of the logical sequence, with a one-pass
+online softmax in base 2, and writes a normalised partial output and its log-sum-exp. The splits are
+history chunks (packed codes), then sink chunks and recent chunks (model dtype).
+
+History tiles: the packed bytes ``[BLOCK_N, D/n]`` are unpacked with one shift, one mask and one or per
+element (``n = 8/bits`` codes per byte; the sub-tiles of channels ``i·D/n + j`` stack into ``[D, BLOCK_N]``
+by a reshape) straight into the dot dtype: ``code | magic`` read as bf16 (fp16) is ``128 + code``
+(``1024 + code``), so no int-to-float conversion is issued. Scale and zero stay out of the element loop:
+
+* K: ``logit = s·(q·c') + (z - M·s)·Σq`` per token and group, with ``c' = M + c`` (``M`` the magic);
+* V: ``o += (p·s)·c'`` on tensor cores, plus ``Σ p·z - M·Σ(p·s)`` once per token, where ``p·s`` is the
+  dot-dtype value fed to the matmul, so the offset cancels exactly up to fp32 accumulation.
+
+The attention mask ``[B, 1, 1, T]`` (True = attend) is read per key and folded into the logits as
+``-inf``, so left padding is exact. Stage 2 (grid ``B·Hq``) merges the splits by log-sum-exp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+from . import naive
+
+LOG2E = 1.4426950408889634
+MAGIC = {torch.bfloat16: (tl.bfloat16, 0x4300, 128.0), torch.float16: (tl.float16, 0x6400, 1024.0)}
+WINDOW_BLOCK = {64: 64, 128: 32, 256: 16}  # model-dtype tile rows per head_dim (register budget)
+MIN_SPLIT_BYTES = 32 * 1024  # a split should read at least this much, so its partial output stays cheap
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters of stage 1: history tile, warps, pipeline stages, and programs per SM to aim for."""
+
+    block_n: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+    programs_per_sm: int = 4
+    fast_unpack: bool = False  # PTX prmt unpacking (GPU only; the interpreter always runs the plain path)
+
+
+def default_config(batch: int, head_dim: int) -> DecodeConfig:
+    """Tile heuristic: about 4 KiB of codes per history tile; more stages when splits are few and long."""
+    block_n = {64: 256, 128: 128}.get(head_dim, 64)
+    return DecodeConfig(block_n=block_n, num_warps=4, num_stages=3 if batch < 16 else 2)
+
+
+@triton.jit
+def _dot(a, b, acc, FP32_DOT: tl.constexpr):
+    # TRITON_INTERPRET multiplies bf16 operands as raw integers: give it fp32 ones (products are exact either way)
+    if FP32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _codes(b, SHIFT: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr, MAGIC_BITS: tl.constexpr,
+           FAST_UNPACK: tl.constexpr):
+    """The codes at bit offset SHIFT of the uint8 bytes ``b``, as ``DT`` values ``M + code`` (M = 128 or 1024)."""
+    if FAST_UNPACK:  # 4 codes per 32-bit word: shift, mask, and two byte permutes into bf16x2/fp16x2 registers
+        full = tl.full(b.shape, 0, tl.int32)
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; shr.b32 t, $2, $3; and.b32 t, t, $7;"
+            " prmt.b32 $0, t, $11, 0x5140; prmt.b32 $1, t, $11, 0x7362; }",
+            "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+            [b, full + SHIFT, full + ((1 << BITS) - 1) * 0x01010101, full + (MAGIC_BITS >> 8) * 0x01010101],
+            dtype=tl.int16, is_pure=True, pack=4,
+        ).to(DT, bitcast=True)
+    return (((b.to(tl.int32) >> SHIFT) & ((1 << BITS) - 1)) | MAGIC_BITS).to(tl.int16).to(DT, bitcast=True)
+
+
+@triton.jit
+def _online_softmax(logits, m, l):
+    """One tile of base-2 logits ``[BLOCK_H, BLOCK_N]`` (masked = -inf) → new m and l, p, and the rescale alpha."""
+    m_new = tl.maximum(m, tl.max(logits, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(logits - m_new[:, None])
+    return m_new, l * alpha + tl.sum(p, axis=1), p, alpha
+
+
+@triton.jit
+def _mask_bytes(mask_row, stride_mt, pos, live, HAS_MASK: tl.constexpr):
+    """The attention-mask bytes of key positions ``pos`` (nonzero = attend); all ones without a mask."""
+    if HAS_MASK:
+        return tl.load(mask_row + pos * stride_mt, mask=live, other=0)
+    return tl.full(pos.shape, 1, tl.uint8)
+
+
+@triton.jit
+def _meta(ks, kz, vs, vz, n, live, stride_sn, NG: tl.constexpr):
+    """Raw (scale dtype) K scale, K zero, V scale, V zero of tokens ``n``, per group: a tuple of 4·NG vectors."""
+    out = ()
+    for g in tl.static_range(NG):
+        offs = n * stride_sn + g
+        out = out + (tl.load(ks + offs, mask=live, other=0), tl.load(kz + offs, mask=live, other=0),
+                     tl.load(vs + offs, mask=live, other=0), tl.load(vz + offs, mask=live, other=0))
+    return out
+
+
+@triton.jit
+def _attend_codes(
+    qs, m, l, accs, lo, hi, pos0, kc, ks, kz, vc, vs, vz, stride_cn, stride_sn, mask_row, stride_mt, qk_scale,
+    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, DT: tl.constexpr,
+    MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr, FAST_UNPACK: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    """History tokens ``[lo, hi)``. ``qs``/``accs``: tuples of the ``8/bits`` channel sub-tiles ``[BLOCK_H, W]``.
+
+    The codes are pipelined by Triton (cp.async, ``num_stages``); scale, zero and mask bytes are too narrow for
+    that, so they are prefetched by hand one tile ahead (loop-carried registers).
+    """
+    NSUB: tl.constexpr = 8 // BITS
+    W: tl.constexpr = qs[0].shape[1]
+    SUBS_PER_GROUP: tl.constexpr = GROUP // W
+    NG: tl.constexpr = NSUB // SUBS_PER_GROUP
+    BLOCK_H: tl.constexpr = qs[0].shape[0]
+    byte = tl.arange(0, W)
+    qsums = ()  # Σq over each group, for the zero term
+    pzs = ()  # per group: Σ p·z - M·Σ p·s, added to the group's output columns at the end
+    for g in tl.static_range(NG):
+        total = tl.zeros([BLOCK_H], tl.float32)
+        for j in tl.static_range(SUBS_PER_GROUP):
+            total += tl.sum(qs[g * SUBS_PER_GROUP + j].to(tl.float32), axis=1)
+        qsums = qsums + (total,)
+        pzs = pzs + (tl.zeros([BLOCK_H], tl.float32),)
+    n_next = lo + tl.arange(0, BLOCK_N)
+    meta_next = _meta(ks, kz, vs, vz, n_next, n_next < hi, stride_sn, NG)
+    mask_next = _mask_bytes(mask_row, stride_mt, pos0 + n_next, n_next < hi, HAS_MASK)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        live = n < hi
+        meta = meta_next
+        live = live & (mask_next != 0)
+        n_next = n + BLOCK_N
+        meta_next = _meta(ks, kz, vs, vz, n_next, n_next < hi, stride_sn, NG)
+        mask_next = _mask_bytes(mask_row, stride_mt, pos0 + n_next, n_next < hi, HAS_MASK)
+        kb = tl.load(kc + n[None, :] * stride_cn + byte[:, None], mask=(n < hi)[None, :], other=0)  # [W, BLOCK_N]
+        vb = tl.load(vc + n[:, None] * stride_cn + byte[None, :], mask=(n < hi)[:, None], other=0)  # [BLOCK_N, W]
+        logits = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+        for g in tl.static_range(NG):
+            qk = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+            for j in tl.static_range(SUBS_PER_GROUP):  # (an index assigned in a runtime loop stops being constexpr)
+                kq = _codes(kb, (g * SUBS_PER_GROUP + j) * BITS, BITS, DT, MAGIC_BITS, FAST_UNPACK)
+                qk = _dot(qs[g * SUBS_PER_GROUP + j], kq, qk, FP32_DOT)
+            s = meta[4 * g].to(tl.float32) * qk_scale
+            z = meta[4 * g + 1].to(tl.float32) * qk_scale
+            logits += qk * s[None, :] + qsums[g][:, None] * (z - MAGIC_VALUE * s)[None, :]
+        m, l, p, alpha = _online_softmax(tl.where(live[None, :], logits, float("-inf")), m, l)
+        new_accs = ()
+        new_pzs = ()
+        for g in tl.static_range(NG):
+            s = meta[4 * g + 2].to(tl.float32)
+            z = meta[4 * g + 3].to(tl.float32)
+            ps = (p * s[None, :]).to(DT, fp_downcast_rounding="rtne")
+            new_pzs = new_pzs + (pzs[g] * alpha + tl.sum(p * z[None, :] - MAGIC_VALUE * ps.to(tl.float32), axis=1),)
+            for j in tl.static_range(SUBS_PER_GROUP):
+                vq = _codes(vb, (g * SUBS_PER_GROUP + j) * BITS, BITS, DT, MAGIC_BITS, FAST_UNPACK)
+                new_accs = new_accs + (_dot(ps, vq, accs[g * SUBS_PER_GROUP + j] * alpha[:, None], FP32_DOT),)
+        accs = new_accs
+        pzs = new_pzs
+    out = ()
+    for i in tl.static_range(NSUB):
+        out = out + (accs[i] + pzs[i // SUBS_PER_GROUP][:, None],)
+    return m, l, out
+
+
+@triton.jit
+def _attend_dense(
+    qs, m, l, accs, lo, hi, pos0, k, v, stride_n, mask_row, stride_mt, qk_scale,
+    BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, DT: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    """Sink or recent tokens ``[lo, hi)`` in the model dtype, by the same channel sub-tiles."""
+    NSUB: tl.constexpr = len(qs)
+    W: tl.constexpr = qs[0].shape[1]
+    cols = tl.arange(0, W)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        live = n < hi
+        logits = tl.zeros([qs[0].shape[0], BLOCK_N], tl.float32)
+        for i in tl.static_range(NSUB):
+            kt = tl.load(k + n[:, None] * stride_n + i * W + cols[None, :], mask=live[:, None], other=0.0)
+            logits = _dot(qs[i], tl.trans(kt), logits, FP32_DOT)
+        live = live & (_mask_bytes(mask_row, stride_mt, pos0 + n, live, HAS_MASK) != 0)
+        m, l, p, alpha = _online_softmax(tl.where(live[None, :], logits * qk_scale, float("-inf")), m, l)
+        p = p.to(DT, fp_downcast_rounding="rtne")
+        new_accs = ()
+        for i in tl.static_range(NSUB):
+            vt = tl.load(v + n[:, None] * stride_n + i * W + cols[None, :], mask=live[:, None], other=0.0)
+            new_accs = new_accs + (_dot(p, vt, accs[i] * alpha[:, None], FP32_DOT),)
+        accs = new_accs
+    return m, l, accs
+
+
+@triton.jit
+def _decode_stage1_kernel(
+    q_ptr, stride_qb, stride_qh,
+    sk_ptr, sv_ptr, stride_sink_b, stride_sink_h, stride_sink_n,
+    rk_ptr, rv_ptr, stride_rec_b, stride_rec_h, stride_rec_n,
+    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+    stride_cb, stride_ch, stride_cn, stride_zb, stride_zh, stride_zn,
+    mask_ptr, stride_mb, stride_mt,
+    part_o_ptr, part_lse_ptr,
+    n_sink, n_hist, n_recent, hist_chunk, hist_splits, win_chunk, sink_splits, total_splits,
+    H, qk_scale,
+    G_Q: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, HAS_MASK: tl.constexpr, DT: tl.constexpr,
+    MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr, FAST_UNPACK: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    NSUB: tl.constexpr = 8 // BITS
+    W: tl.constexpr = D // NSUB
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    rows = tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, W)
+    keep = rows < G_Q
+    q_rows = q_ptr + b * stride_qb + (h * G_Q + rows)[:, None] * stride_qh + cols[None, :]
+    qs = ()
+    accs = ()
+    for i in tl.static_range(NSUB):
+        qs = qs + (tl.load(q_rows + i * W, mask=keep[:, None], other=0.0),)
+        accs = accs + (tl.zeros([BLOCK_H, W], tl.float32),)
+    mask_row = mask_ptr + b * stride_mb
+    m = tl.full([BLOCK_H], -1.0e30, tl.float32)  # finite: a fully masked tile leaves alpha = 1 and p = 0
+    l = tl.zeros([BLOCK_H], tl.float32)
+    if split < hist_splits:
+        lo = split * hist_chunk
+        code_off = b * stride_cb + h * stride_ch
+        meta_off = b * stride_zb + h * stride_zh
+        m, l, accs = _attend_codes(
+            qs, m, l, accs, lo, tl.minimum(lo + hist_chunk, n_hist), n_sink,
+            kc_ptr + code_off, ks_ptr + meta_off, kz_ptr + meta_off, vc_ptr + code_off, vs_ptr + meta_off,
+            vz_ptr + meta_off, stride_cn, stride_zn, mask_row, stride_mt, qk_scale,
+            BITS, GROUP, BLOCK_N, HAS_MASK, DT, MAGIC_BITS, MAGIC_VALUE, FAST_UNPACK, FP32_DOT,
+        )
+    else:  # one code path for sink and recent chunks (pointers chosen per program)
+        in_sink = split < hist_splits + sink_splits
+        lo = (split - hist_splits - tl.where(in_sink, 0, sink_splits)) * win_chunk
+        off = tl.where(in_sink, b * stride_sink_b + h * stride_sink_h, b * stride_rec_b + h * stride_rec_h)
+        m, l, accs = _attend_dense(
+            qs, m, l, accs, lo, tl.minimum(lo + win_chunk, tl.where(in_sink, n_sink, n_recent)),
+            tl.where(in_sink, 0, n_sink + n_hist), tl.where(in_sink, sk_ptr, rk_ptr) + off,
+            tl.where(in_sink, sv_ptr, rv_ptr) + off, tl.where(in_sink, stride_sink_n, stride_rec_n),
+            mask_row, stride_mt, qk_scale, BLOCK_W, HAS_MASK, DT, FP32_DOT,
+        )
+    safe_l = tl.where(l > 0, l, 1.0)
+    part = (bh * G_Q + rows).to(tl.int64) * total_splits + split
+    for i in tl.static_range(NSUB):
+        tl.store(part_o_ptr + part[:, None] * D + i * W + cols[None, :], accs[i] / safe_l[:, None], mask=keep[:, None])
+    tl.store(part_lse_ptr + part, tl.where(l > 0, m + tl.log2(safe_l), float("-inf")), mask=keep)
+
+
+@triton.jit
+def _decode_stage2_kernel(part_o_ptr, part_lse_ptr, out_ptr, total_splits, D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Merge the splits of one (batch, query head) by log-sum-exp; rows with no valid key give 0."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, D)
+    m = tl.full([1], -1.0e30, tl.float32)
+    l = tl.zeros([1], tl.float32)
+    acc = tl.zeros([1, D], tl.float32)
+    for start in range(0, total_splits, BLOCK_S):
+        s = start + tl.arange(0, BLOCK_S)
+        live = s < total_splits
+        lse = tl.load(part_lse_ptr + row * total_splits + s, mask=live, other=float("-inf"))
+        o = tl.load(part_o_ptr + (row * total_splits + s)[:, None] * D + cols[None, :], mask=live[:, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse[None, :] - m_new[:, None])  # [1, BLOCK_S]
+        l = l * alpha + tl.sum(w, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o[None, :, :], axis=1)
+        m = m_new
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(out_ptr + row * D + cols[None, :], out.to(out_ptr.dtype.element_ty))
+
+
+@lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def plan_splits(batch_heads: int, n_hist: int, n_window: int, head_dim: int, bits: int, group: int,
+                window_bytes: int, cfg: DecodeConfig, sm_count: int) -> tuple[int, int]:
+    """Tokens per history split and per window split, so that every split reads about the same bytes and the
+    grid has about ``programs_per_sm · sm_count`` programs (fewer when a split would read < MIN_SPLIT_BYTES)."""
+    hist_bytes = 2 * (head_dim * bits // 8 + 2 * 2 * head_dim // group)  # K + V codes, 16-bit scale and zero
+    total = n_hist * hist_bytes + n_window * window_bytes
+    splits = max(1, min(triton.cdiv(cfg.programs_per_sm * sm_count, batch_heads), total // MIN_SPLIT_BYTES))
+    per_split = triton.cdiv(total, splits)
+    hist_chunk = triton.cdiv(triton.cdiv(per_split, hist_bytes), cfg.block_n) * cfg.block_n
+    window_block = WINDOW_BLOCK.get(head_dim, 32)
+    win_chunk = triton.cdiv(triton.cdiv(per_split, window_bytes), window_block) * window_block
+    return hist_chunk, win_chunk
+
+
+def kernel_supports(query: torch.Tensor, layer, attention_mask: torch.Tensor | None) -> bool:
+    """Whether :func:`decode` handles this call (else naive.attend runs)."""
+    d = query.shape[-1]
+    cfg = layer.config
+    per_byte = 8 // cfg.bits
+    return (
+        query.shape[2] == 1
+        and query.dtype in MAGIC
+        and d in WINDOW_BLOCK
+        and layer.group_size >= d // per_byte >= 16  # a group spans whole channel sub-tiles of >= 16
+        # the newest token must be stored at full precision (naive reads it from key.new): recent_tokens >= 1
+        and not (layer.n_recent == 0 and layer.n_history > 0)
+        and (attention_mask is None or (attention_mask.dtype == torch.bool and attention_mask.shape[-1] == layer.length
+                                        and attention_mask.shape[1] == 1))
+        and (query.is_cuda or triton.knobs.runtime.interpret)
+    )
+
+
+def _storage(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a one-element stand-in when it is empty (its pointer is never read then)."""
+    return t if t.numel() else t.new_zeros(1)
+
+
+def decode(
+    query: torch.Tensor,
+    layer,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """Attention of one rotated query token over an OscarLayer's ``sink ‖ history ‖ recent``.
+
+    Args:
+        query: rotated queries ``[B, Hq, 1, D]``, bf16 or fp16; ``Hq = g·H`` (query head ``h·g + r`` reads
+            KV head ``h``); D in 64, 128, 256.
+        layer: an OscarLayer (uses ``sink``, ``history``, ``recent``, the counts, ``config.bits``,
+            ``group_size``); its windows are ``[B, H, cap, D]`` in the query dtype, codes uint8
+            ``[B, H, cap, D·bits/8]``, scale and zero ``[B, H, cap, D/group]``.
+        attention_mask: bool ``[B or 1, 1, 1, T]`` (True = attend), ``T = layer.length``, or None.
+        scaling: logit scale (None: ``D**-0.5``).
+        config: launch parameters (None: :func:`default_config`).
+    Returns:
+        ``[B, 1, Hq, D]`` in the query dtype, in the rotated V basis.
+    """
+    batch, hq, _, d = query.shape
+    heads = layer.sink["key"].shape[1]
+    group_q = hq // heads
+    cfg = config or default_config(batch, d)
+    dt, magic_bits, magic_value = MAGIC[query.dtype]
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    sink, hist, recent = layer.sink, layer.history, layer.recent
+    n_window = layer.n_sink + layer.n_recent
+    hist_chunk, win_chunk = plan_splits(
+        batch * heads, layer.n_history, n_window, d, layer.config.bits, layer.group_size,
+        2 * d * query.element_size(), cfg, _sm_count(query.device),
+    )
+    hist_splits = triton.cdiv(layer.n_history, hist_chunk)
+    sink_splits = triton.cdiv(layer.n_sink, win_chunk)
+    total = hist_splits + sink_splits + triton.cdiv(layer.n_recent, win_chunk)
+    codes = [_storage(hist[f"{side}_{part}"]) for side in ("key", "value") for part in ("codes", "scale", "zero")]
+    if attention_mask is None:
+        mask, mask_strides = query.new_zeros(1, dtype=torch.uint8), (0, 0)
+    else:
+        mask = attention_mask[:, 0, -1, :].expand(batch, -1).view(torch.uint8)
+        mask_strides = mask.stride()
+    part_o = torch.empty(batch * hq, total, d, dtype=torch.float32, device=query.device)
+    part_lse = torch.empty(batch * hq, total, dtype=torch.float32, device=query.device)
+    out = torch.empty(batch, 1, hq, d, dtype=query.dtype, device=query.device)
+    scaling = d**-0.5 if scaling is None else scaling
+    interpreting = triton.knobs.runtime.interpret
+    hist_strides = hist["key_codes"].stride()[:3] + hist["key_scale"].stride()[:3]
+    _decode_stage1_kernel[(batch * heads, total)](
+        query, query.stride(0), query.stride(1),
+        _storage(sink["key"]), _storage(sink["value"]), *sink["key"].stride()[:3],
+        _storage(recent["key"]), _storage(recent["value"]), *recent["key"].stride()[:3],
+        *codes, *hist_strides,
+        mask, *mask_strides,
+        part_o, part_lse,
+        layer.n_sink, layer.n_history, layer.n_recent, hist_chunk, hist_splits, win_chunk, sink_splits, total,
+        heads, scaling * LOG2E,
+        G_Q=group_q, BLOCK_H=max(16, triton.next_power_of_2(group_q)), D=d, BITS=layer.config.bits,
+        GROUP=layer.group_size, BLOCK_N=cfg.block_n, BLOCK_W=WINDOW_BLOCK[d], HAS_MASK=attention_mask is not None,
+        DT=dt, MAGIC_BITS=magic_bits, MAGIC_VALUE=magic_value, FAST_UNPACK=cfg.fast_unpack and not interpreting,
+        FP32_DOT=dt == tl.bfloat16 and interpreting, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    _decode_stage2_kernel[(batch * hq,)](part_o, part_lse, out, total, D=d, BLOCK_S=16, num_warps=4)
+    return out
+
+
+def attend(module, query, key, value, attention_mask, scaling) -> torch.Tensor:
+    """``naive.attend``'s signature: one query token goes to :func:`decode`, anything else to ``naive.attend``
+    (chunked prefill and assisted decoding dequantize the history and call SDPA)."""
+    layer = key.layer
+    if not kernel_supports(query, layer, attention_mask):
+        return naive.attend(module, query, key, value, attention_mask, scaling)
+    return decode(query, layer, attention_mask, scaling)

@@ -1,0 +1,190 @@
+"""The oscar-hf command (calibrate, info, generate) end to end on a tiny local model, and the shipped recipes."""
+
+import inspect
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_model
+from test_calibrate import austen, char_tokenizer
+
+from oscar_hf import OscarConfig, OscarRotations, calibrate, load_recipe
+from oscar_hf.calibrate import EIGEN_ORDERS, K_TARGETS, V_TARGETS
+from oscar_hf.cli import main
+from oscar_hf.recipes import available_recipes
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # see test_calibrate.one_thread
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    """A tiny Llama (2 layers, 2 KV heads, head_dim 64) and a character tokenizer with a chat template."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    make_model("llama-mha-d64").save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("data") / "emma.txt"
+    path.write_text(austen(1200), encoding="utf-8")  # 300 calibration tokens + ~900 held out for diagnostics
+    return str(path)
+
+
+def run_calibrate(model_dir, data, out, *extra):
+    main(["calibrate", model_dir, "--data", str(data), "--out", str(out), "--num-tokens", "300", "--max-length", "128",
+          "--dtype", "float32", *extra])
+
+
+@pytest.fixture(scope="module")
+def bundle_dir(model_dir, data_file, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bundle") / "rotations"
+    run_calibrate(model_dir, data_file, out)
+    return out
+
+
+def test_calibrate_writes_a_bundle(bundle_dir, model_dir, data_file):
+    assert sorted(p.name for p in bundle_dir.iterdir()) == [
+        "README.md", "diagnostics.json", "oscar_config.json", "rotations.safetensors"]
+    metadata = json.loads((bundle_dir / "oscar_config.json").read_text())
+    assert (metadata["source_model"], metadata["num_layers"], metadata["head_dim"]) == (model_dir, 2, 64)
+    assert metadata["calibration"] | {"data": data_file} == {
+        "tokens": 300, "max_length": 128, "k_target": "qqt", "v_target": "sst", "composition": "UHP",
+        "eigen_order": "ascending", "data": data_file}
+    card = (bundle_dir / "README.md").read_text()
+    assert "OSCAR KV-cache rotations" in card and "(oscar)" in card and "k_target: qqt" in card
+    diagnostics = json.loads((bundle_dir / "diagnostics.json").read_text())
+    assert [row["layer"] for row in diagnostics] == [0, 1] and diagnostics[0]["tokens"] > 800
+    bundle = OscarRotations.from_pretrained(bundle_dir)
+    assert bundle.key_rotation.shape == (2, 64, 64) and bundle.method == "oscar"
+
+
+def test_calibrate_prints_the_table(model_dir, data_file, tmp_path, capsys):
+    run_calibrate(model_dir, data_file, tmp_path / "out")
+    out = capsys.readouterr().out
+    assert f"saved OscarRotations(method='oscar', layers=2, head_dim=64, num_kv_heads=2, source_model={model_dir!r})" in out
+    assert "k_error" in out and "mean" in out
+
+
+def test_info(bundle_dir, capsys):
+    main(["info", str(bundle_dir)])
+    out = capsys.readouterr().out
+    assert "key_rotation (2, 64, 64), value_rotation (2, 64, 64)" in out
+    assert f"config: {json.dumps(OscarConfig().to_dict())}" in out  # calibrate stores the config it diagnosed with
+    for length, label in ((4096, "4K"), (32768, "32K"), (131072, "128K")):
+        assert f"bits per element at {label} tokens: {OscarConfig().bits_per_element(64, length):.3f}" in out
+    assert "score_kl" in out and "k_clip_rate" in out
+    assert len([line for line in out.splitlines() if line.split()[:1] in (["0"], ["1"], ["mean"])]) == 3
+
+
+def test_generate_prints_both_caches(model_dir, bundle_dir, capsys):
+    main(["generate", model_dir, "--rotations", str(bundle_dir), "--prompt", "Emma was", "--max-new-tokens", "5",
+          "--dtype", "float32"])
+    out = capsys.readouterr().out
+    assert ">>> Emma was" in out
+    assert "[default cache]" in out and "[OSCAR INT2" in out
+    assert "identical for the first 5 of 5 generated tokens" in out  # the prompt fits in the windows
+
+
+def test_recipe_supplies_the_cache_config(model_dir, data_file, tmp_path):
+    run_calibrate(model_dir, data_file, tmp_path / "out", "--recipe", "smollm2-135m")
+    metadata = json.loads((tmp_path / "out" / "oscar_config.json").read_text())
+    assert metadata["config"] == load_recipe("smollm2-135m").cache.to_dict()
+    assert metadata["calibration"]["tokens"] == 300  # the command line overrides the recipe's 30000
+
+
+def test_jsonl_data(model_dir, tmp_path):
+    text = austen(1200)
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"text": text[i:i + 400], "id": i}) for i in range(0, 1200, 400)) + "\n\n")
+    run_calibrate(model_dir, data, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "oscar_config.json").read_text())["calibration"]["tokens"] == 300
+
+
+def test_jsonl_line_without_text_exits(model_dir, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "Emma"}\n{"content": "Woodhouse"}\n')
+    with pytest.raises(SystemExit, match="must be a JSON object with a 'text' field"):
+        run_calibrate(model_dir, data, tmp_path / "out")
+
+
+def test_bad_k_target_exits_2(model_dir, data_file, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_calibrate(model_dir, data_file, tmp_path / "out", "--k-target", "kkt")
+    assert exit_info.value.code == 2
+    assert "error: k_target must be one of" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("which", ["missing", "empty"])
+def test_info_without_a_bundle_exits_2(tmp_path, capsys, which):
+    if which == "empty":
+        (tmp_path / which).mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["info", str(tmp_path / which)])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_console_script():
+    script = Path(sys.executable).parent / "oscar-hf"
+    result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert all(command in result.stdout for command in ("demo", "calibrate", "info", "generate"))
+
+
+# ------------------------------------------------------------------------------------------ recipes
+HEAD_DIMS = {"smollm2-135m": 64, "gemma-3": 256}
+
+
+@pytest.mark.parametrize("name", available_recipes())
+def test_shipped_recipe(name):
+    recipe = load_recipe(name)
+    assert recipe.name == name and "/" in recipe.model and recipe.notes
+    head_dim = HEAD_DIMS.get(name, 128)
+    assert recipe.cache.resolved_group_size(head_dim) <= head_dim
+    assert 2 < recipe.cache.bits_per_element(head_dim, 131072) < 3
+    kwargs = recipe.calibrate_kwargs()
+    assert set(kwargs) <= set(inspect.signature(calibrate).parameters)
+    assert kwargs["k_target"] in K_TARGETS and kwargs["v_target"] in V_TARGETS
+    assert kwargs.get("eigen_order", "ascending") in EIGEN_ORDERS
+
+
+def test_recipes_are_shipped():
+    assert {"qwen3-8b", "smollm2-135m", "gemma-3"} <= set(available_recipes())
+
+
+def test_unknown_recipe_lists_the_shipped_ones():
+    with pytest.raises(ValueError, match=r"unknown recipe 'qwen9'.*'qwen3-8b'"):
+        load_recipe("qwen9")
+
+
+@pytest.mark.parametrize("text, match", [
+    pytest.param("model: org/m\ncalibration:\n  num_token: 100\n", r"unknown calibration key\(s\) \['num_token'\]",
+                 id="calibration-key"),
+    pytest.param("model: org/m\ncache:\n  bitz: 2\n", r"unknown OscarConfig field\(s\) \['bitz'\]", id="cache-field"),
+    pytest.param("calibration:\n  num_tokens: 100\n", "'model' key", id="no-model"),
+])
+def test_bad_recipe_file_raises(tmp_path, text, match):
+    path = tmp_path / "mine.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        load_recipe(str(path))
+
+
+def test_recipe_file_by_path(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("model: org/m\ncalibration:\n  num_tokens: 100\n  data: x.txt\ncache:\n  bits: 4\n")
+    recipe = load_recipe(str(path))
+    assert (recipe.name, recipe.model, recipe.calibrate_kwargs(), recipe.cache) == (
+        "mine", "org/m", {"num_tokens": 100}, OscarConfig(bits=4))
