@@ -23,7 +23,9 @@ def absorb_value_rotation(model: torch.nn.Module, rotations: OscarRotations) -> 
     """
     shape = ModelShape.from_config(model.config)
     rotations.check_compatible(model.config)
-    attentions = [m for m in model.modules() if hasattr(m, "v_proj") and hasattr(m, "o_proj") and hasattr(m, "layer_idx")]
+    attentions = [
+        m for m in model.modules() if hasattr(m, "v_proj") and hasattr(m, "o_proj") and hasattr(m, "layer_idx")
+    ]
     if len(attentions) != shape.num_layers:
         raise ValueError(
             f"V absorption needs attention modules with v_proj, o_proj and layer_idx; found {len(attentions)} "

@@ -37,7 +37,9 @@ def oscar_attention_forward(
     if isinstance(key, CapturedKV):
         return key.attend(module, query, value, attention_mask, scaling)
     if not isinstance(key, OscarKV):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     for name, feature in UNSUPPORTED_KWARGS.items():
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"OscarQuantizedCache does not support {feature} ({name}=...)")

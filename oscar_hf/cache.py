@@ -19,8 +19,9 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from .config import OscarConfig
+from .kernels import WRITE_BACKENDS, write_backend
 from .model_support import ModelShape, check_model_supported
-from .quantizer import QuantizedRows, dequantize, quantize
+from .quantizer import QuantizedRows, dequantize
 from .rotations import OscarRotations
 
 ATTN_IMPLEMENTATION = "oscar"
@@ -128,6 +129,7 @@ class OscarLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         cfg = self.config
         self.group_size = cfg.resolved_group_size(dim)
+        self.writer = write_backend(cfg.backend, self.device)
         self.key_rotation = self.key_rotation.to(self.device, torch.float32)
         self.value_rotation = self.value_rotation.to(self.device, torch.float32)
 
@@ -137,10 +139,15 @@ class OscarLayer(CacheLayerMixin):
         self.sink = _Segment({"key": empty(dim, dtype=self.dtype), "value": empty(dim, dtype=self.dtype)})
         self.recent = _Segment({"key": empty(dim, dtype=self.dtype), "value": empty(dim, dtype=self.dtype)})
         codes, groups, scale_dtype = dim * cfg.bits // 8, dim // self.group_size, cfg.torch_scale_dtype
-        self.history = _Segment({
-            f"{side}_{part}": empty(codes, dtype=torch.uint8) if part == "codes" else empty(groups, dtype=scale_dtype)
-            for side in ("key", "value") for part in ("codes", "scale", "zero")
-        })
+        self.history = _Segment(
+            {
+                f"{side}_{part}": empty(codes, dtype=torch.uint8)
+                if part == "codes"
+                else empty(groups, dtype=scale_dtype)
+                for side in ("key", "value")
+                for part in ("codes", "scale", "zero")
+            }
+        )
         self.is_initialized = True
 
     # -------------------------------------------------------------------------------- writes
@@ -188,17 +195,17 @@ class OscarLayer(CacheLayerMixin):
         if needed > self.history.capacity:
             capacity = max(needed, self.history.capacity + max(HISTORY_GROWTH, self.history.capacity // 8))
             self.history.grow(self.n_history, capacity)
-        packed = {}
-        for side, clip in (("key", cfg.k_clip), ("value", cfg.v_clip)):
-            q = quantize(
-                rows[side],
-                bits=cfg.bits,
-                group_size=self.group_size,
-                clip=clip,
-                scale_dtype=cfg.torch_scale_dtype,
-                method=cfg.quantizer,
-            )
-            packed.update({f"{side}_codes": q.codes, f"{side}_scale": q.scale, f"{side}_zero": q.zero})
+        quantized = self.writer(
+            rows["key"],
+            rows["value"],
+            bits=cfg.bits,
+            group_size=self.group_size,
+            k_clip=cfg.k_clip,
+            v_clip=cfg.v_clip,
+            scale_dtype=cfg.torch_scale_dtype,
+            method=cfg.quantizer,
+        )
+        packed = {f"{side}_{part}": t for side, q in zip(("key", "value"), quantized) for part, t in zip(q._fields, q)}
         self.history.write(self.n_history, packed)
         self.n_history = needed
 
@@ -207,7 +214,9 @@ class OscarLayer(CacheLayerMixin):
         """The stored sequence ``sink ‖ dequantized history ‖ recent`` of ``side`` ("key" or "value"),
         rotated, in the model dtype, ``[B, H, stop, D]`` (the first ``stop`` tokens, default all)."""
         h = self.history.read(self.n_history)
-        history = dequantize(QuantizedRows(h[f"{side}_codes"], h[f"{side}_scale"], h[f"{side}_zero"]), self.config.bits, self.dtype)
+        history = dequantize(
+            QuantizedRows(h[f"{side}_codes"], h[f"{side}_scale"], h[f"{side}_zero"]), self.config.bits, self.dtype
+        )
         parts = [self.sink[side][:, :, : self.n_sink], history, self.recent[side][:, :, : self.n_recent]]
         return torch.cat(parts, dim=2)[:, :, :stop]
 
@@ -265,7 +274,11 @@ class OscarLayer(CacheLayerMixin):
         """(bits of stored data, K and V elements stored) over the tokens in use."""
         if not self.is_initialized:
             return 0, 0
-        used = self.sink.used_bytes(self.n_sink) + self.history.used_bytes(self.n_history) + self.recent.used_bytes(self.n_recent)
+        used = (
+            self.sink.used_bytes(self.n_sink)
+            + self.history.used_bytes(self.n_history)
+            + self.recent.used_bytes(self.n_recent)
+        )
         b, h, _, d = self.sink["key"].shape
         return 8 * used, 2 * b * h * self.length * d
 
@@ -296,8 +309,8 @@ class OscarQuantizedCache(Cache):
         config = config or rotations.config or OscarConfig()
         if config_overrides:
             config = config.replace(**config_overrides)
-        if config.backend == "triton":
-            raise NotImplementedError("OscarConfig.backend='triton' is not available yet; use 'auto' or 'torch'")
+        if config.backend == "triton" and "triton" not in WRITE_BACKENDS:
+            raise ImportError("OscarConfig.backend='triton' needs the triton package (pip install oscar-hf[triton])")
         shape = ModelShape.from_config(model_config)
         config.resolved_group_size(shape.head_dim)
         layers = []
@@ -325,7 +338,11 @@ class OscarQuantizedCache(Cache):
     ) -> "OscarQuantizedCache":
         """Load rotations from a folder or Hub repo (or take an OscarRotations), check them against
         ``model``, route the model's attention through oscar_hf, and build an empty cache."""
-        rotations = src if isinstance(src, OscarRotations) else OscarRotations.from_pretrained(src, subfolder=subfolder, revision=revision)
+        rotations = (
+            src
+            if isinstance(src, OscarRotations)
+            else OscarRotations.from_pretrained(src, subfolder=subfolder, revision=revision)
+        )
         enable(model)
         return cls(model.config, rotations, **config_overrides)
 

@@ -58,7 +58,9 @@ def compose_rotation(eigenvectors: torch.Tensor, eigenvalues: torch.Tensor, comp
     return rotation
 
 
-def rotation_from_covariance(cov: torch.Tensor, composition: str, eigen_order: str) -> tuple[torch.Tensor, torch.Tensor]:
+def rotation_from_covariance(
+    cov: torch.Tensor, composition: str, eigen_order: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(R, eigenvalues in ascending order) for a symmetric covariance ``[D, D]`` (float64)."""
     values, vectors = torch.linalg.eigh((cov + cov.mT) / 2)
     if eigen_order == "descending":
@@ -159,8 +161,12 @@ def _forward_all(model, observer, chunks, batch_size: int, desc: str, show_progr
 
     state = PartialState()
     with state.split_between_processes(chunks) as mine:
-        bar = tqdm(total=sum(c.numel() for c in mine), unit="tok", desc=desc,
-                   disable=not show_progress or not state.is_local_main_process)
+        bar = tqdm(
+            total=sum(c.numel() for c in mine),
+            unit="tok",
+            desc=desc,
+            disable=not show_progress or not state.is_local_main_process,
+        )
         for start in range(0, len(mine), batch_size):
             batch = mine[start : start + batch_size]
             for same_length in _group_by_length(batch):
@@ -209,8 +215,11 @@ def calibrate(
     Returns:
         OscarRotations with float32 ``[layers, D, D]`` rotations and ascending eigenvalues.
     """
-    for name, value, allowed in (("k_target", k_target, K_TARGETS), ("v_target", v_target, V_TARGETS),
-                                 ("eigen_order", eigen_order, EIGEN_ORDERS)):
+    for name, value, allowed in (
+        ("k_target", k_target, K_TARGETS),
+        ("v_target", v_target, V_TARGETS),
+        ("eigen_order", eigen_order, EIGEN_ORDERS),
+    ):
         if value not in allowed:
             raise ValueError(f"{name} must be one of {allowed}; got {value!r}")
     for name, value in (("num_tokens", num_tokens), ("max_length", max_length), ("batch_size", batch_size)):
@@ -248,8 +257,9 @@ def calibrate(
         if target in DATA_FREE:
             matrix = DATA_FREE[target](shape.head_dim).double()
             return matrix.expand(shape.num_layers, -1, -1), torch.zeros(shape.num_layers, shape.head_dim)
-        pairs = [rotation_from_covariance(covariance(i, target), composition, eigen_order)
-                 for i in range(shape.num_layers)]
+        pairs = [
+            rotation_from_covariance(covariance(i, target), composition, eigen_order) for i in range(shape.num_layers)
+        ]
         return torch.stack([r for r, _ in pairs]), torch.stack([v for _, v in pairs])
 
     key_rotation, key_eigenvalues = rotations_for(k_target)

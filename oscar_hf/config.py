@@ -128,4 +128,3 @@ class OscarConfig:
     def replace(self, **overrides) -> "OscarConfig":
         """A copy with some fields changed (validated like the constructor)."""
         return self.from_dict({**self.to_dict(), **overrides})
-

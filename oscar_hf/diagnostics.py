@@ -26,8 +26,14 @@ class DiagnosticsObserver:
 
     def _quantized(self, x: torch.Tensor, clip: float) -> torch.Tensor:
         cfg = self.config
-        rows = quantize(x, bits=cfg.bits, group_size=cfg.group_size, clip=clip, scale_dtype=cfg.torch_scale_dtype,
-                        method=cfg.quantizer)
+        rows = quantize(
+            x,
+            bits=cfg.bits,
+            group_size=cfg.group_size,
+            clip=clip,
+            scale_dtype=cfg.torch_scale_dtype,
+            method=cfg.quantizer,
+        )
         return dequantize(rows, cfg.bits)
 
     def observe(self, layer_idx, query, key, value, output, scaling) -> None:
@@ -66,7 +72,9 @@ class DiagnosticsObserver:
 
 
 @torch.no_grad()
-def diagnose(model, rotations: OscarRotations, chunks: list[torch.Tensor], config: OscarConfig | None = None) -> list[dict]:
+def diagnose(
+    model, rotations: OscarRotations, chunks: list[torch.Tensor], config: OscarConfig | None = None
+) -> list[dict]:
     """Per-layer diagnostics (dicts with METRICS, "layer" and "tokens") of ``rotations`` on token chunks."""
     observer = DiagnosticsObserver(rotations, config or OscarConfig())
     for chunk in chunks:

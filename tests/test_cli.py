@@ -72,7 +72,8 @@ def test_calibrate_writes_a_bundle(bundle_dir, model_dir, data_file):
 def test_calibrate_prints_the_table(model_dir, data_file, tmp_path, capsys):
     run_calibrate(model_dir, data_file, tmp_path / "out")
     out = capsys.readouterr().out
-    assert f"saved OscarRotations(method='oscar', layers=2, head_dim=64, num_kv_heads=2, source_model={model_dir!r})" in out
+    bundle = f"OscarRotations(method='oscar', layers=2, head_dim=64, num_kv_heads=2, source_model={model_dir!r})"
+    assert f"saved {bundle} to {tmp_path / 'out'}" in out
     assert "k_error" in out and "mean" in out
 
 
@@ -109,6 +110,17 @@ def test_jsonl_data(model_dir, tmp_path):
     data.write_text("\n".join(json.dumps({"text": text[i:i + 400], "id": i}) for i in range(0, 1200, 400)) + "\n\n")
     run_calibrate(model_dir, data, tmp_path / "out")
     assert json.loads((tmp_path / "out" / "oscar_config.json").read_text())["calibration"]["tokens"] == 300
+
+
+def test_folder_of_txt_data(model_dir, tmp_path):
+    (tmp_path / "texts").mkdir()
+    for i in range(3):
+        (tmp_path / "texts" / f"{i}.txt").write_text(austen(1200)[i * 400:(i + 1) * 400])
+    run_calibrate(model_dir, tmp_path / "texts", tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "oscar_config.json").read_text())["calibration"]["tokens"] == 300
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="has no .txt files"):
+        run_calibrate(model_dir, tmp_path / "empty", tmp_path / "out")
 
 
 def test_jsonl_line_without_text_exits(model_dir, tmp_path):

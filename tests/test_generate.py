@@ -101,7 +101,9 @@ def test_repeated_generate_calls_with_fresh_caches(arch):
     model = make_model(arch)
     expected = [run(model, prompt(seed=s)) for s in range(3)]
     for seed, want in enumerate(expected):
-        torch.testing.assert_close(run(model, prompt(seed=seed), cache=full_precision_cache(model)), want, rtol=0, atol=0)
+        torch.testing.assert_close(
+            run(model, prompt(seed=seed), cache=full_precision_cache(model)), want, rtol=0, atol=0
+        )
 
 
 def test_cache_reuse_across_generate_calls():
@@ -122,7 +124,10 @@ def test_cache_reuse_across_generate_calls():
 
 def random_orthogonal_rotations(model, seed=0) -> OscarRotations:
     config = model.config
-    layers, dim = config.num_hidden_layers, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layers, dim = (
+        config.num_hidden_layers,
+        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+    )
     g = torch.Generator().manual_seed(seed)
     q = torch.linalg.qr(torch.randn(2, layers, dim, dim, generator=g, dtype=torch.float64)).Q.float()
     return OscarRotations(q[0], q[1], num_kv_heads=config.num_key_value_heads, method="random")
@@ -132,11 +137,24 @@ def test_rotation_invariance(arch):
     """With nothing quantized, a random orthogonal R_K and R_V leave logits and tokens unchanged."""
     model = make_model(arch)
     inputs = prompt(2, left_pad=(0, 3))
-    expected = model.generate(**inputs, max_new_tokens=NEW_TOKENS, pad_token_id=0, do_sample=False,
-                              return_dict_in_generate=True, output_scores=True)
+    expected = model.generate(
+        **inputs,
+        max_new_tokens=NEW_TOKENS,
+        pad_token_id=0,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
     cache = full_precision_cache(model, random_orthogonal_rotations(model))
-    got = model.generate(**inputs, max_new_tokens=NEW_TOKENS, pad_token_id=0, do_sample=False, past_key_values=cache,
-                         return_dict_in_generate=True, output_scores=True)
+    got = model.generate(
+        **inputs,
+        max_new_tokens=NEW_TOKENS,
+        pad_token_id=0,
+        do_sample=False,
+        past_key_values=cache,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
     torch.testing.assert_close(got.sequences, expected.sequences, rtol=0, atol=0)
     for a, b in zip(got.scores, expected.scores):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
@@ -169,10 +187,14 @@ def test_quantized_greedy_logits_close_to_full_precision():
         OscarRotations.hadamard(model.config), model=model, sink_tokens=4, recent_tokens=4
     )
     cache_out = model(**inputs, past_key_values=cache, use_cache=True)  # prefill quantizes 32 of the 40 tokens
-    step = model(input_ids=torch.tensor([[7]]), past_key_values=cache_out.past_key_values,
-                 attention_mask=torch.ones(1, 41, dtype=torch.long))
+    step = model(
+        input_ids=torch.tensor([[7]]),
+        past_key_values=cache_out.past_key_values,
+        attention_mask=torch.ones(1, 41, dtype=torch.long),
+    )
     reference = model(input_ids=torch.cat([inputs["input_ids"], torch.tensor([[7]])], dim=1)).logits[:, -1]
-    kl = torch.nn.functional.kl_div(step.logits[:, -1].log_softmax(-1), reference.log_softmax(-1),
-                                    log_target=True, reduction="batchmean")
+    kl = torch.nn.functional.kl_div(
+        step.logits[:, -1].log_softmax(-1), reference.log_softmax(-1), log_target=True, reduction="batchmean"
+    )
     assert 0 < kl < 0.05
     assert full.logits[0].shape[-1] == VOCAB

@@ -7,8 +7,15 @@ from conftest import VOCAB, make_model
 
 from oscar_hf import OscarQuantizedCache, OscarRotations, UnsupportedModelError, check_model_supported
 
-TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=32)
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+)
 
 
 def tiny(config_name: str, **fields):
@@ -17,12 +24,26 @@ def tiny(config_name: str, **fields):
 
 
 REFUSED = {
-    "mla-deepseek-v3": (lambda: tiny("DeepseekV3Config", kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=16,
-                                     qk_nope_head_dim=16, v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2,
-                                     moe_intermediate_size=32, first_k_dense_replace=2), "latent attention"),
+    "mla-deepseek-v3": (
+        lambda: tiny(
+            "DeepseekV3Config",
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=16,
+            v_head_dim=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            first_k_dense_replace=2,
+        ),
+        "latent attention",
+    ),
     "softcap-gemma2": (lambda: tiny("Gemma2Config", attn_logit_softcapping=50.0), "soft-capping"),
-    "sinks-gpt-oss": (lambda: tiny("GptOssConfig", num_local_experts=4, num_experts_per_tok=2,
-                                   layer_types=["full_attention"] * 2), "sinks"),
+    "sinks-gpt-oss": (
+        lambda: tiny("GptOssConfig", num_local_experts=4, num_experts_per_tok=2, layer_types=["full_attention"] * 2),
+        "sinks",
+    ),
     "all-sliding-mistral": (lambda: tiny("MistralConfig", sliding_window=4096), "nothing to quantize"),
 }
 
@@ -46,17 +67,21 @@ def test_encoder_decoder_refused():
 
 
 def test_gemma3_head_dim_256_with_sliding_layers_is_served():
-    config = transformers.Gemma3TextConfig(**{**TINY, "head_dim": 256, "num_hidden_layers": 3},
-                                           layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                                           sliding_window=8, pad_token_id=0)
+    config = transformers.Gemma3TextConfig(
+        **{**TINY, "head_dim": 256, "num_hidden_layers": 3},
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        sliding_window=8,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     model = transformers.Gemma3ForCausalLM(config).eval()
     model.generation_config.eos_token_id = None
     inputs = {"input_ids": torch.randint(3, VOCAB, (2, 20)), "attention_mask": torch.ones(2, 20, dtype=torch.long)}
     inputs["attention_mask"][1, :4] = 0
     expected = model.generate(**inputs, max_new_tokens=10, do_sample=False, pad_token_id=0)
-    cache = OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model, k_clip=1.0,
-                                                v_clip=1.0)
+    cache = OscarQuantizedCache.from_pretrained(
+        OscarRotations.hadamard(model.config), model=model, k_clip=1.0, v_clip=1.0
+    )
     got = model.generate(**inputs, max_new_tokens=10, do_sample=False, pad_token_id=0, past_key_values=cache)
     assert (got == expected).all()
     assert [type(layer).__name__ for layer in cache.layers][2] == "OscarLayer"

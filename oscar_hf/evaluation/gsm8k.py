@@ -41,8 +41,16 @@ def same_number(a: str | None, b: str) -> bool:
 
 
 @torch.no_grad()
-def evaluate_gsm8k(model, tokenizer, items: list[dict], methods: list[str], calibrated=None, batch_size: int = 8,
-                   max_new_tokens: int = 256, progress=None) -> list[dict]:
+def evaluate_gsm8k(
+    model,
+    tokenizer,
+    items: list[dict],
+    methods: list[str],
+    calibrated=None,
+    batch_size: int = 8,
+    max_new_tokens: int = 256,
+    progress=None,
+) -> list[dict]:
     """Rows with metric "accuracy" per method (context = the longest prompt + generation in tokens)."""
     tokenizer.padding_side = "left"
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -51,18 +59,33 @@ def evaluate_gsm8k(model, tokenizer, items: list[dict], methods: list[str], cali
         correct, longest, bits = 0, 0, 0.0
         for start in range(0, len(items), batch_size):
             batch = items[start : start + batch_size]
-            prompts = [tokenizer.apply_chat_template([{"role": "user", "content": INSTRUCTION + it["question"]}],
-                                                     add_generation_prompt=True, tokenize=False) for it in batch]
+            prompts = [
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": INSTRUCTION + it["question"]}],
+                    add_generation_prompt=True,
+                    tokenize=False,
+                )
+                for it in batch
+            ]
             enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
             cache = make_cache(name, model, calibrated)
-            out = model.generate(**enc, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=pad)
+            out = model.generate(
+                **enc, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad
+            )
             longest = max(longest, out.shape[1])
             bits = getattr(cache, "bits_per_element", None) or 8.0 * next(model.parameters()).element_size()
-            for item, seq in zip(batch, out[:, enc["input_ids"].shape[1]:]):
+            for item, seq in zip(batch, out[:, enc["input_ids"].shape[1] :]):
                 correct += same_number(extract_answer(tokenizer.decode(seq, skip_special_tokens=True)), item["answer"])
-        rows.append(dict(method=name, task="gsm8k", context=longest, metric="accuracy", value=correct / len(items),
-                         bits_per_element=bits))
+        rows.append(
+            dict(
+                method=name,
+                task="gsm8k",
+                context=longest,
+                metric="accuracy",
+                value=correct / len(items),
+                bits_per_element=bits,
+            )
+        )
         if progress:
             progress(f"gsm8k {name}: {correct}/{len(items)}")
     return rows

@@ -36,12 +36,24 @@ METHODS: dict[str, Method] = {
     m.name: m
     for m in (
         Method("bf16", "the default cache in the model dtype", None),
-        Method("int4", "INT4 per token, group 128 (or head_dim), identity rotation, no clipping", "identity",
-               {"bits": 4, "group_size": "min(128, head_dim)", "quantizer": "uniform", **NO_CLIP}),
-        Method("naive-int2", "INT2 per token, identity rotation, no clipping", "identity",
-               {"quantizer": "uniform", **NO_CLIP}),
-        Method("quarot-int2", "INT2 per token, Hadamard rotation, no clipping", "hadamard",
-               {"quantizer": "uniform", **NO_CLIP}),
+        Method(
+            "int4",
+            "INT4 per token, group 128 (or head_dim), identity rotation, no clipping",
+            "identity",
+            {"bits": 4, "group_size": "min(128, head_dim)", "quantizer": "uniform", **NO_CLIP},
+        ),
+        Method(
+            "naive-int2",
+            "INT2 per token, identity rotation, no clipping",
+            "identity",
+            {"quantizer": "uniform", **NO_CLIP},
+        ),
+        Method(
+            "quarot-int2",
+            "INT2 per token, Hadamard rotation, no clipping",
+            "hadamard",
+            {"quantizer": "uniform", **NO_CLIP},
+        ),
         Method("oscar", "INT2 per token, calibrated rotations, clipping", "calibrated", {"quantizer": "uniform"}),
         Method("oscar-lloyd-max", "as oscar, with Lloyd-Max levels", "calibrated", {"quantizer": "lloyd-max"}),
     )

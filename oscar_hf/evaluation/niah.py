@@ -21,13 +21,23 @@ def needle_prompt(tokenizer, text: str, length: int, depth: float, number: int) 
     cut = sentence_end + 2 if sentence_end > 0 and depth > 0 else cut
     document = f"{haystack[:cut]} {NEEDLE.format(number=number)} {haystack[cut:]}".strip()
     messages = [{"role": "user", "content": f"{document}\n\n{QUESTION}"}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                         return_dict=True)["input_ids"]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]
 
 
 @torch.no_grad()
-def evaluate_niah(model, tokenizer, text: str, lengths: list[int], depths: list[float], methods: list[str],
-                  calibrated=None, seed: int = 0, progress=None) -> list[dict]:
+def evaluate_niah(
+    model,
+    tokenizer,
+    text: str,
+    lengths: list[int],
+    depths: list[float],
+    methods: list[str],
+    calibrated=None,
+    seed: int = 0,
+    progress=None,
+) -> list[dict]:
     """Rows with metric "needle_found" (0 or 1) per method, length (context) and depth."""
     rng = random.Random(seed)
     rows = []
@@ -37,14 +47,29 @@ def evaluate_niah(model, tokenizer, text: str, lengths: list[int], depths: list[
             ids = needle_prompt(tokenizer, text, length, depth, number).to(model.device)
             for name in methods:
                 cache = make_cache(name, model, calibrated)
-                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
-                                     max_new_tokens=12, do_sample=False,
-                                     pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-                answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+                out = model.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    past_key_values=cache,
+                    max_new_tokens=12,
+                    do_sample=False,
+                    pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+                )
+                answer = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
                 found = float(str(number) in answer.replace(",", ""))
                 bits = getattr(cache, "bits_per_element", None) or 8.0 * next(model.parameters()).element_size()
-                rows.append(dict(method=name, task="niah", context=ids.shape[1], metric="needle_found", value=found,
-                                 bits_per_element=bits, depth=depth, target_length=length))
+                rows.append(
+                    dict(
+                        method=name,
+                        task="niah",
+                        context=ids.shape[1],
+                        metric="needle_found",
+                        value=found,
+                        bits_per_element=bits,
+                        depth=depth,
+                        target_length=length,
+                    )
+                )
                 if progress:
                     progress(f"niah length {length} depth {depth:.2f} {name}: {'found' if found else 'missed'}")
     return rows

@@ -38,8 +38,9 @@ def teacher_forced_logprobs(model, cache, segments: torch.Tensor, context: int) 
     return torch.stack(logits, dim=1).log_softmax(-1)
 
 
-def evaluate_perplexity(model, segments: torch.Tensor, contexts: list[int], methods: list[str], calibrated=None,
-                        progress=None) -> list[dict]:
+def evaluate_perplexity(
+    model, segments: torch.Tensor, contexts: list[int], methods: list[str], calibrated=None, progress=None
+) -> list[dict]:
     """Rows (method, task, context, metric, value, bits_per_element) for perplexity, KL to bf16 and top-1.
 
     ``segments [B, L]``: the last ``L - context`` tokens of each are scored, for each ``context``.
@@ -66,8 +67,10 @@ def evaluate_perplexity(model, segments: torch.Tensor, contexts: list[int], meth
                 "top1_agreement": float((reference.argmax(-1) == logprobs.argmax(-1)).float().mean()),
             }
             if name in methods:
-                rows += [dict(method=name, task="perplexity", context=context, metric=k, value=v,
-                              bits_per_element=bits) for k, v in metrics.items()]
+                rows += [
+                    dict(method=name, task="perplexity", context=context, metric=k, value=v, bits_per_element=bits)
+                    for k, v in metrics.items()
+                ]
             if progress:
                 progress(f"context {context} {name}: ppl {metrics['perplexity']:.3f} KL {metrics['kl_to_bf16']:.4f}")
     return rows

@@ -13,10 +13,24 @@ TASKS = ("perplexity", "niah", "gsm8k")
 COLUMNS = ("model", "method", "task", "context", "metric", "value", "bits_per_element")
 
 
-def run_eval(model, tokenizer, model_name: str, methods: list[str], tasks: list[str], out_dir: str | Path, *,
-             calibrated=None, text: str | None = None, contexts=(512, 1024), score_tokens: int = 128,
-             segments: int = 8, niah_lengths=(1024, 2048), niah_depths=(0.0, 0.25, 0.5, 0.75, 1.0),
-             gsm8k_path: str | None = None, gsm8k_limit: int | None = None) -> list[dict]:
+def run_eval(
+    model,
+    tokenizer,
+    model_name: str,
+    methods: list[str],
+    tasks: list[str],
+    out_dir: str | Path,
+    *,
+    calibrated=None,
+    text: str | None = None,
+    contexts=(512, 1024),
+    score_tokens: int = 128,
+    segments: int = 8,
+    niah_lengths=(1024, 2048),
+    niah_depths=(0.0, 0.25, 0.5, 0.75, 1.0),
+    gsm8k_path: str | None = None,
+    gsm8k_limit: int | None = None,
+) -> list[dict]:
     """Evaluate ``methods`` on ``tasks``; returns the rows and writes ``out_dir/results.csv`` and PNG plots."""
     unknown = sorted(set(tasks) - set(TASKS))
     if unknown:
@@ -33,16 +47,19 @@ def run_eval(model, tokenizer, model_name: str, methods: list[str], tasks: list[
         rows += [
             r
             for context in contexts
-            for r in evaluate_perplexity(model, batch[:, max(contexts) - context :], [context], methods, calibrated,
-                                         progress=print)
+            for r in evaluate_perplexity(
+                model, batch[:, max(contexts) - context :], [context], methods, calibrated, progress=print
+            )
         ]
     if "niah" in tasks:
-        rows += evaluate_niah(model, tokenizer, text, list(niah_lengths), list(niah_depths), methods, calibrated,
-                              progress=print)
+        rows += evaluate_niah(
+            model, tokenizer, text, list(niah_lengths), list(niah_depths), methods, calibrated, progress=print
+        )
         plot_niah(rows, out / "niah.png")
     if "gsm8k" in tasks:
-        rows += evaluate_gsm8k(model, tokenizer, load_gsm8k(gsm8k_path, gsm8k_limit), methods, calibrated,
-                               progress=print)
+        rows += evaluate_gsm8k(
+            model, tokenizer, load_gsm8k(gsm8k_path, gsm8k_limit), methods, calibrated, progress=print
+        )
     for row in rows:
         row["model"] = model_name
     write_csv(rows, out / "results.csv")
@@ -87,10 +104,14 @@ def plot_perplexity(rows: list[dict], path: Path) -> None:
     reference = {r["context"]: r["value"] for r in ppl if r["method"] == "bf16"}
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for method in dict.fromkeys(r["method"] for r in ppl):
-        points = sorted((r["context"], r["value"] - reference.get(r["context"], 0.0), r["bits_per_element"])
-                        for r in ppl if r["method"] == method)
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o",
-                label=f"{method} ({points[-1][2]:.2f} bits)")
+        points = sorted(
+            (r["context"], r["value"] - reference.get(r["context"], 0.0), r["bits_per_element"])
+            for r in ppl
+            if r["method"] == method
+        )
+        ax.plot(
+            [p[0] for p in points], [p[1] for p in points], marker="o", label=f"{method} ({points[-1][2]:.2f} bits)"
+        )
     ax.set_xlabel("context tokens before the scored ones")
     ax.set_ylabel("perplexity − bf16" if reference else "perplexity")
     ax.set_xscale("log", base=2)

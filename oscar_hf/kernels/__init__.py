@@ -1,18 +1,57 @@
-"""Attention backends over the OSCAR cache, by name. "torch" is the reference (``naive.py``)."""
+"""Attention and write (quantize) backends over the OSCAR cache, by name. "torch" is the reference (``naive.py``,
+``quantizer.py``); "triton" (``triton_decode.py``, ``triton_write.py``) is registered when triton imports."""
 
 from __future__ import annotations
 
 import torch
 
+from ..quantizer import QuantizedRows, quantize
 from . import naive
 
+
+def quantize_kv(
+    key: torch.Tensor, value: torch.Tensor, *, k_clip: float, v_clip: float, **kwargs
+) -> tuple[QuantizedRows, QuantizedRows]:
+    """The torch writer: ``quantizer.quantize`` on K and on V (same keyword arguments otherwise)."""
+    return quantize(key, clip=k_clip, **kwargs), quantize(value, clip=v_clip, **kwargs)
+
+
 ATTENTION_BACKENDS = {"torch": naive.attend}
+WRITE_BACKENDS = {"torch": quantize_kv}
+
+try:
+    import triton  # noqa: F401
+except ImportError:
+    pass
+else:
+    # Imported on first use, so that TRITON_INTERPRET set after ``import oscar_hf`` (as the tests do) still applies.
+    def _triton_attend(module, query, key, value, attention_mask, scaling):
+        from .triton_decode import attend
+
+        return attend(module, query, key, value, attention_mask, scaling)
+
+    def _triton_write(key, value, **kwargs):
+        from .triton_write import quantize_pack_kv
+
+        return quantize_pack_kv(key, value, **kwargs)
+
+    ATTENTION_BACKENDS["triton"] = _triton_attend
+    WRITE_BACKENDS["triton"] = _triton_write
+
+
+def _resolve(name: str, device: torch.device, registry: dict) -> str:
+    if name == "auto":
+        return "triton" if device.type == "cuda" and "triton" in registry else "torch"
+    if name not in registry:
+        raise ValueError(f"backend {name!r} is not available; available: {sorted(registry)}")
+    return name
 
 
 def attention_backend(name: str, device: torch.device):
     """The attention function for OscarConfig.backend ``name`` on ``device`` ("auto" picks the fastest available)."""
-    if name == "auto":
-        name = "triton" if device.type == "cuda" and "triton" in ATTENTION_BACKENDS else "torch"
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention backend {name!r} is not available; available: {sorted(ATTENTION_BACKENDS)}")
-    return ATTENTION_BACKENDS[name]
+    return ATTENTION_BACKENDS[_resolve(name, device, ATTENTION_BACKENDS)]
+
+
+def write_backend(name: str, device: torch.device):
+    """The K/V writer ``(key, value, *, bits, group_size, k_clip, v_clip, scale_dtype, method)`` for ``name``."""
+    return WRITE_BACKENDS[_resolve(name, device, WRITE_BACKENDS)]

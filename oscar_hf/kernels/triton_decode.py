@@ -33,25 +33,28 @@ from . import naive
 
 LOG2E = 1.4426950408889634
 MAGIC = {torch.bfloat16: (tl.bfloat16, 0x4300, 128.0), torch.float16: (tl.float16, 0x6400, 1024.0)}
-WINDOW_BLOCK = {64: 64, 128: 32, 256: 16}  # model-dtype tile rows per head_dim (register budget)
-MIN_SPLIT_BYTES = 32 * 1024  # a split should read at least this much, so its partial output stays cheap
+WINDOW_BLOCK = {64: 32, 128: 32, 256: 16}  # sink/recent tile rows per head_dim (keeps shared memory < 40 KiB)
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Launch parameters of stage 1: history tile, warps, pipeline stages, and programs per SM to aim for."""
+    """Launch parameters of stage 1: history tile rows, warps, pipeline stages, programs per SM to aim for, and
+    whether codes are unpacked by inline PTX (4 per 32-bit word; GPU only, the interpreter runs the plain path)."""
 
     block_n: int = 128
     num_warps: int = 4
     num_stages: int = 3
     programs_per_sm: int = 4
-    fast_unpack: bool = False  # PTX prmt unpacking (GPU only; the interpreter always runs the plain path)
+    fast_unpack: bool = True
+    min_split_bytes: int = 32 * 1024  # a split should read at least this much, so its partial output stays cheap
 
 
 def default_config(batch: int, head_dim: int) -> DecodeConfig:
-    """Tile heuristic: about 4 KiB of codes per history tile; more stages when splits are few and long."""
-    block_n = {64: 256, 128: 128}.get(head_dim, 64)
-    return DecodeConfig(block_n=block_n, num_warps=4, num_stages=3 if batch < 16 else 2)
+    """Tile heuristic from sm90 SASS (issue slots per code element, registers, no replicated warps): D=64 needs
+    1 warp (the [16, 16] V sub-tiles replicate across more), D=128 and 256 run 4 warps."""
+    if head_dim <= 64:
+        return DecodeConfig(block_n=64, num_warps=1, num_stages=3, programs_per_sm=8)
+    return DecodeConfig(block_n=128 if head_dim == 128 else 64, num_warps=4, num_stages=3 if batch < 16 else 2)
 
 
 @triton.jit
@@ -79,12 +82,12 @@ def _codes(b, SHIFT: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr, MAGIC_B
 
 
 @triton.jit
-def _online_softmax(logits, m, l):
-    """One tile of base-2 logits ``[BLOCK_H, BLOCK_N]`` (masked = -inf) → new m and l, p, and the rescale alpha."""
+def _online_softmax(logits, m, den):
+    """One tile of base-2 logits ``[BLOCK_H, BLOCK_N]`` (masked = -inf) → new m and den, p, and the rescale alpha."""
     m_new = tl.maximum(m, tl.max(logits, axis=1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(logits - m_new[:, None])
-    return m_new, l * alpha + tl.sum(p, axis=1), p, alpha
+    return m_new, den * alpha + tl.sum(p, axis=1), p, alpha
 
 
 @triton.jit
@@ -108,7 +111,7 @@ def _meta(ks, kz, vs, vz, n, live, stride_sn, NG: tl.constexpr):
 
 @triton.jit
 def _attend_codes(
-    qs, m, l, accs, lo, hi, pos0, kc, ks, kz, vc, vs, vz, stride_cn, stride_sn, mask_row, stride_mt, qk_scale,
+    qs, m, den, accs, lo, hi, pos0, kc, ks, kz, vc, vs, vz, stride_cn, stride_sn, mask_row, stride_mt, qk_scale,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, DT: tl.constexpr,
     MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr, FAST_UNPACK: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
@@ -153,7 +156,7 @@ def _attend_codes(
             s = meta[4 * g].to(tl.float32) * qk_scale
             z = meta[4 * g + 1].to(tl.float32) * qk_scale
             logits += qk * s[None, :] + qsums[g][:, None] * (z - MAGIC_VALUE * s)[None, :]
-        m, l, p, alpha = _online_softmax(tl.where(live[None, :], logits, float("-inf")), m, l)
+        m, den, p, alpha = _online_softmax(tl.where(live[None, :], logits, float("-inf")), m, den)
         new_accs = ()
         new_pzs = ()
         for g in tl.static_range(NG):
@@ -169,12 +172,12 @@ def _attend_codes(
     out = ()
     for i in tl.static_range(NSUB):
         out = out + (accs[i] + pzs[i // SUBS_PER_GROUP][:, None],)
-    return m, l, out
+    return m, den, out
 
 
 @triton.jit
 def _attend_dense(
-    qs, m, l, accs, lo, hi, pos0, k, v, stride_n, mask_row, stride_mt, qk_scale,
+    qs, m, den, accs, lo, hi, pos0, k, v, stride_n, mask_row, stride_mt, qk_scale,
     BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, DT: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
     """Sink or recent tokens ``[lo, hi)`` in the model dtype, by the same channel sub-tiles."""
@@ -189,14 +192,14 @@ def _attend_dense(
             kt = tl.load(k + n[:, None] * stride_n + i * W + cols[None, :], mask=live[:, None], other=0.0)
             logits = _dot(qs[i], tl.trans(kt), logits, FP32_DOT)
         live = live & (_mask_bytes(mask_row, stride_mt, pos0 + n, live, HAS_MASK) != 0)
-        m, l, p, alpha = _online_softmax(tl.where(live[None, :], logits * qk_scale, float("-inf")), m, l)
+        m, den, p, alpha = _online_softmax(tl.where(live[None, :], logits * qk_scale, float("-inf")), m, den)
         p = p.to(DT, fp_downcast_rounding="rtne")
         new_accs = ()
         for i in tl.static_range(NSUB):
             vt = tl.load(v + n[:, None] * stride_n + i * W + cols[None, :], mask=live[:, None], other=0.0)
             new_accs = new_accs + (_dot(p, vt, accs[i] * alpha[:, None], FP32_DOT),)
         accs = new_accs
-    return m, l, accs
+    return m, den, accs
 
 
 @triton.jit
@@ -231,13 +234,13 @@ def _decode_stage1_kernel(
         accs = accs + (tl.zeros([BLOCK_H, W], tl.float32),)
     mask_row = mask_ptr + b * stride_mb
     m = tl.full([BLOCK_H], -1.0e30, tl.float32)  # finite: a fully masked tile leaves alpha = 1 and p = 0
-    l = tl.zeros([BLOCK_H], tl.float32)
+    den = tl.zeros([BLOCK_H], tl.float32)
     if split < hist_splits:
         lo = split * hist_chunk
         code_off = b * stride_cb + h * stride_ch
         meta_off = b * stride_zb + h * stride_zh
-        m, l, accs = _attend_codes(
-            qs, m, l, accs, lo, tl.minimum(lo + hist_chunk, n_hist), n_sink,
+        m, den, accs = _attend_codes(
+            qs, m, den, accs, lo, tl.minimum(lo + hist_chunk, n_hist), n_sink,
             kc_ptr + code_off, ks_ptr + meta_off, kz_ptr + meta_off, vc_ptr + code_off, vs_ptr + meta_off,
             vz_ptr + meta_off, stride_cn, stride_zn, mask_row, stride_mt, qk_scale,
             BITS, GROUP, BLOCK_N, HAS_MASK, DT, MAGIC_BITS, MAGIC_VALUE, FAST_UNPACK, FP32_DOT,
@@ -246,17 +249,18 @@ def _decode_stage1_kernel(
         in_sink = split < hist_splits + sink_splits
         lo = (split - hist_splits - tl.where(in_sink, 0, sink_splits)) * win_chunk
         off = tl.where(in_sink, b * stride_sink_b + h * stride_sink_h, b * stride_rec_b + h * stride_rec_h)
-        m, l, accs = _attend_dense(
-            qs, m, l, accs, lo, tl.minimum(lo + win_chunk, tl.where(in_sink, n_sink, n_recent)),
+        m, den, accs = _attend_dense(
+            qs, m, den, accs, lo, tl.minimum(lo + win_chunk, tl.where(in_sink, n_sink, n_recent)),
             tl.where(in_sink, 0, n_sink + n_hist), tl.where(in_sink, sk_ptr, rk_ptr) + off,
             tl.where(in_sink, sv_ptr, rv_ptr) + off, tl.where(in_sink, stride_sink_n, stride_rec_n),
             mask_row, stride_mt, qk_scale, BLOCK_W, HAS_MASK, DT, FP32_DOT,
         )
-    safe_l = tl.where(l > 0, l, 1.0)
+    safe_den = tl.where(den > 0, den, 1.0)
     part = (bh * G_Q + rows).to(tl.int64) * total_splits + split
     for i in tl.static_range(NSUB):
-        tl.store(part_o_ptr + part[:, None] * D + i * W + cols[None, :], accs[i] / safe_l[:, None], mask=keep[:, None])
-    tl.store(part_lse_ptr + part, tl.where(l > 0, m + tl.log2(safe_l), float("-inf")), mask=keep)
+        out = accs[i] / safe_den[:, None]
+        tl.store(part_o_ptr + part[:, None] * D + i * W + cols[None, :], out, mask=keep[:, None])
+    tl.store(part_lse_ptr + part, tl.where(den > 0, m + tl.log2(safe_den), float("-inf")), mask=keep)
 
 
 @triton.jit
@@ -265,7 +269,7 @@ def _decode_stage2_kernel(part_o_ptr, part_lse_ptr, out_ptr, total_splits, D: tl
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, D)
     m = tl.full([1], -1.0e30, tl.float32)
-    l = tl.zeros([1], tl.float32)
+    den = tl.zeros([1], tl.float32)
     acc = tl.zeros([1, D], tl.float32)
     for start in range(0, total_splits, BLOCK_S):
         s = start + tl.arange(0, BLOCK_S)
@@ -275,10 +279,10 @@ def _decode_stage2_kernel(part_o_ptr, part_lse_ptr, out_ptr, total_splits, D: tl
         m_new = tl.maximum(m, tl.max(lse, axis=0))
         alpha = tl.exp2(m - m_new)
         w = tl.exp2(lse[None, :] - m_new[:, None])  # [1, BLOCK_S]
-        l = l * alpha + tl.sum(w, axis=1)
+        den = den * alpha + tl.sum(w, axis=1)
         acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o[None, :, :], axis=1)
         m = m_new
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    out = acc / tl.where(den > 0, den, 1.0)[:, None]
     tl.store(out_ptr + row * D + cols[None, :], out.to(out_ptr.dtype.element_ty))
 
 
@@ -290,10 +294,10 @@ def _sm_count(device: torch.device) -> int:
 def plan_splits(batch_heads: int, n_hist: int, n_window: int, head_dim: int, bits: int, group: int,
                 window_bytes: int, cfg: DecodeConfig, sm_count: int) -> tuple[int, int]:
     """Tokens per history split and per window split, so that every split reads about the same bytes and the
-    grid has about ``programs_per_sm · sm_count`` programs (fewer when a split would read < MIN_SPLIT_BYTES)."""
+    grid has about ``programs_per_sm · sm_count`` programs (fewer when a split would read < min_split_bytes)."""
     hist_bytes = 2 * (head_dim * bits // 8 + 2 * 2 * head_dim // group)  # K + V codes, 16-bit scale and zero
     total = n_hist * hist_bytes + n_window * window_bytes
-    splits = max(1, min(triton.cdiv(cfg.programs_per_sm * sm_count, batch_heads), total // MIN_SPLIT_BYTES))
+    splits = max(1, min(triton.cdiv(cfg.programs_per_sm * sm_count, batch_heads), total // cfg.min_split_bytes))
     per_split = triton.cdiv(total, splits)
     hist_chunk = triton.cdiv(triton.cdiv(per_split, hist_bytes), cfg.block_n) * cfg.block_n
     window_block = WINDOW_BLOCK.get(head_dim, 32)

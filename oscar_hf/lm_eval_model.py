@@ -1,0 +1,154 @@
+"""lm-evaluation-harness model "hf-oscar": lm-eval's Hugging Face model with an OSCAR KV cache in the loop.
+
+lm-eval 0.4.13 discovers no third-party models, so "hf-oscar" exists once this module is imported:
+the ``oscar-lm-eval`` command (:mod:`oscar_hf.lm_eval_cli`) does that and then runs lm-eval's own CLI;
+in Python, import this module before ``lm_eval.simple_evaluate(model="hf-oscar", ...)`` or pass an
+:class:`OscarHFLM` instance.
+
+Every request type goes through a fresh cache of the chosen method:
+
+* ``generate_until``: each batch generates with its own cache (prompt prefill, then decode).
+* ``loglikelihood`` and ``loglikelihood_rolling`` (one request per rolling window): the context but its
+  last token is prefilled into a fresh cache as one chunk (attending to itself at full precision, as a
+  prompt does in generation); then the last context token and the continuation are teacher-forced one
+  token at a time through the decode path. Every scored token, the first one included, is thus
+  predicted by a query over the quantized history, exactly as a generated token would be (a prefill
+  ending at the context would predict the first token at full precision: one-token answers, as in
+  most multiple-choice tasks, would score exactly as BF16). Requests whose contexts have equal lengths
+  share a batch; continuations are right-padded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+try:
+    # Importing lm_eval.models.huggingface imports lm_eval.models first, which registers lm-eval's built-in
+    # models; registering "hf-oscar" before that would hide them (get_model only loads them into an empty registry).
+    from lm_eval.api.registry import register_model
+    from lm_eval.models.huggingface import HFLM
+except ImportError as err:
+    raise ImportError("the hf-oscar lm-eval model needs lm-eval: pip install 'oscar-hf[lm-eval]'") from err
+
+from oscar_hf.cache import OscarQuantizedCache
+from oscar_hf.config import OscarConfig
+from oscar_hf.evaluation.methods import METHODS, make_cache
+from oscar_hf.rotations import OscarRotations
+
+# model_args that are OscarConfig overrides -> OscarConfig field. HFLM already takes "backend" (causal/seq2seq).
+CONFIG_ARGS = {f.name: f.name for f in dataclasses.fields(OscarConfig) if f.name != "backend"}
+CONFIG_ARGS["oscar_backend"] = "backend"
+
+
+@register_model("hf-oscar")
+class OscarHFLM(HFLM):
+    """HFLM whose generation and scoring run through an OSCAR quantized KV cache.
+
+    Args:
+        pretrained: model id or folder, or a loaded model (whose attention is then switched to "oscar").
+        rotations: rotation bundle folder or Hub repo (OscarRotations.from_pretrained); needed by the
+            calibrated methods, and its recommended config is the base of every method's config.
+        rotations_subfolder: subfolder of ``rotations``.
+        method: a name in oscar_hf.evaluation.METHODS ("oscar", "oscar-lloyd-max", "quarot-int2",
+            "naive-int2", "int4", "bf16"); default "oscar".
+        **kwargs: OscarConfig fields (``recent_tokens=128``, ``k_clip=1.0``; its ``backend`` is
+            ``oscar_backend``), applied on top of the method's config; everything else goes to HFLM.
+    """
+
+    def __init__(self, pretrained, rotations: str | None = None, rotations_subfolder: str | None = None,
+                 method: str = "oscar", **kwargs):
+        if method not in METHODS:
+            raise ValueError(f"hf-oscar: unknown method={method!r}; known methods: {', '.join(METHODS)}")
+        if METHODS[method].rotations == "calibrated" and rotations is None:
+            raise ValueError(f"hf-oscar: method={method!r} needs calibrated rotations: pass rotations=<bundle folder "
+                             f"or Hub repo>, or a data-free method (quarot-int2, naive-int2, int4, bf16)")
+        overrides = {CONFIG_ARGS[name]: kwargs.pop(name) for name in list(kwargs) if name in CONFIG_ARGS}
+        if overrides and METHODS[method].rotations is None:
+            raise ValueError(f"hf-oscar: method={method!r} keeps the default cache; it takes no {sorted(overrides)}")
+        try:
+            OscarConfig().replace(**overrides)
+        except ValueError as err:
+            raise ValueError(f"hf-oscar model_args: {err}") from None
+        self.oscar_method = method
+        self.oscar_overrides = overrides
+        self.oscar_rotations_source = "/".join(filter(None, [rotations, rotations_subfolder])) or None
+        self.oscar_rotations = (
+            OscarRotations.from_pretrained(rotations, subfolder=rotations_subfolder) if rotations else None
+        )
+        super().__init__(pretrained, **kwargs)
+        # A first cache checks model, bundle and config together and routes the model's attention through oscar_hf.
+        cache = self.new_cache()
+        self.oscar_config = cache.config if isinstance(cache, OscarQuantizedCache) else None
+
+    def new_cache(self):
+        """A fresh, empty cache of the method: an OscarQuantizedCache (a DynamicCache for "bf16")."""
+        return make_cache(self.oscar_method, self.model, self.oscar_rotations, **self.oscar_overrides)
+
+    def get_model_info(self) -> dict:
+        return {
+            **super().get_model_info(),
+            "oscar_method": self.oscar_method,
+            "oscar_rotations": self.oscar_rotations_source,
+            "oscar_config": self.oscar_config.to_dict() if self.oscar_config else None,
+        }
+
+    def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs):
+        """Generate from left-padded ``context [B, T]`` with a fresh cache for this batch."""
+        return super()._model_generate(context, max_length, stop, past_key_values=self.new_cache(),
+                                       cache_implementation=None, **generation_kwargs)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
+        """``(log P(continuation | context), continuation is the greedy one)`` for each request
+        ``(strings or None, context ids, continuation ids)``, in order, scored through the cache."""
+        if self.backend != "causal":
+            raise NotImplementedError("hf-oscar scores decoder-only (causal) models only")
+        batch_size = override_bs or (self._detect_batch_size() if self.batch_size == "auto" else self.batch_size)
+        by_context = defaultdict(list)  # context length -> [(request index, tokens)]
+        for i, (_, context, continuation) in enumerate(requests):
+            tokens = (context + continuation)[-(self.max_length + 1):]  # left-truncated like HFLM's
+            by_context[len(tokens) - len(continuation)].append((i, tokens))
+        results = [None] * len(requests)
+        pbar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc="hf-oscar loglikelihood")
+        for context_length, group in sorted(by_context.items(), reverse=True):
+            group.sort(key=lambda item: -len(item[1]))
+            for start in range(0, len(group), batch_size):
+                batch = group[start : start + batch_size]
+                for (i, _), score in zip(batch, self._score([t for _, t in batch], context_length), strict=True):
+                    results[i] = score
+                    if requests[i][0] is not None:
+                        self.cache_hook.add_partial("loglikelihood", requests[i][0], score)
+                pbar.update(len(batch))
+        pbar.close()
+        return results
+
+    @torch.no_grad()
+    def _score(self, sequences: list[list[int]], context_length: int) -> list[tuple[float, bool]]:
+        """Score B token lists whose first ``context_length`` tokens are context.
+
+        All but the last context token, ``[B, max(context_length - 1, 1)]``, are prefilled into a fresh cache;
+        the remaining tokens, right-padded to ``[B, width]``, are fed one at a time (padding never reaches a
+        row's own scores: attention is causal). Returns (sum of the continuation's log-probabilities, all
+        greedy) per row.
+        """
+        width = max(map(len, sequences))
+        ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences], device=self.device)
+        prefill = max(context_length - 1, 1)  # a one-token context is prefilled whole: it predicts from itself alone
+        cache = self.new_cache()
+        with torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
+                            enabled=self.mixed_precision_dtype is not None):
+            out = self.model(input_ids=ids[:, :prefill], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            logits = [out.logits[:, -1]] if prefill == context_length else []
+            for t in range(prefill, width - 1):
+                out = self.model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+                logits.append(out.logits[:, -1])
+        logprobs = F.log_softmax(torch.stack(logits, dim=1), dim=-1, dtype=self.softmax_dtype)  # [B, n, vocab]
+        targets = ids[:, context_length:]
+        picked = logprobs.gather(-1, targets[..., None])[..., 0]
+        greedy = logprobs.argmax(-1) == targets
+        lengths = [len(s) - context_length for s in sequences]
+        return [(float(picked[b, :n].sum()), bool(greedy[b, :n].all())) for b, n in enumerate(lengths)]

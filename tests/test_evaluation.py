@@ -1,0 +1,188 @@
+"""The evaluation harness: methods registry, perplexity/KL with the cache in the loop, NIAH, GSM8K, CLI."""
+
+import csv
+import json
+import string
+
+import pytest
+import torch
+from conftest import make_model
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from oscar_hf import OscarQuantizedCache, OscarRotations
+from oscar_hf.cli import main
+from oscar_hf.evaluation import METHODS, make_cache
+from oscar_hf.evaluation.gsm8k import evaluate_gsm8k, extract_answer, load_gsm8k
+from oscar_hf.evaluation.niah import NEEDLE, evaluate_niah, needle_prompt
+from oscar_hf.evaluation.perplexity import evaluate_perplexity
+from oscar_hf.evaluation.runner import run_eval
+
+CHARS = string.ascii_letters + string.digits + " .,?!'\n:-"
+TEXT = (
+    "It was a bright cold day in April, and the clocks were striking thirteen. " * 40
+    + "Emma Woodhouse, handsome, clever, and rich, had lived nearly twenty-one years. " * 40
+)
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer (ids < 96) with a minimal chat template, built offline."""
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+    )
+    return tok
+
+
+def test_methods_registry_presets():
+    model = make_model("llama-mha-d64")
+    assert list(METHODS) == ["bf16", "int4", "naive-int2", "quarot-int2", "oscar", "oscar-lloyd-max"]
+    assert type(make_cache("bf16", model)).__name__ == "DynamicCache"
+    int4 = make_cache("int4", model)
+    assert (int4.config.bits, int4.config.group_size, int4.config.k_clip) == (4, 64, 1.0)
+    assert make_cache("quarot-int2", model).rotations.method == "hadamard"
+    assert make_cache("naive-int2", model).rotations.method == "identity"
+    calibrated = OscarRotations.hadamard(model.config)
+    calibrated.method = "oscar"
+    oscar = make_cache("oscar-lloyd-max", model, calibrated)
+    assert (oscar.config.quantizer, oscar.config.k_clip, oscar.rotations.method) == ("lloyd-max", 0.96, "oscar")
+    with pytest.raises(ValueError, match="calibrated rotations"):
+        make_cache("oscar", model)
+
+
+def test_perplexity_puts_the_cache_in_the_loop():
+    model = make_model("qwen3-gqa-qknorm-d128")
+    segments = torch.randint(3, 90, (2, 48), generator=torch.Generator().manual_seed(0))
+    methods = ["bf16", "naive-int2", "quarot-int2"]
+    covered = evaluate_perplexity(model, segments, [32], methods)  # 48 tokens < 64 + 256: nothing quantized
+    for row in covered:
+        expected = {"kl_to_bf16": 0.0, "top1_agreement": 1.0}.get(row["metric"])
+        if expected is not None:
+            assert row["value"] == pytest.approx(expected, abs=1e-6), row
+    full = {r["method"]: r["value"] for r in covered if r["metric"] == "perplexity"}
+    with torch.no_grad():
+        logits = model(segments).logits[:, 31:-1]
+    reference_nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), segments[:, 32:].flatten())
+    assert full["bf16"] == pytest.approx(float(reference_nll.exp()), rel=1e-4)
+
+
+def test_small_windows_make_methods_differ(monkeypatch):
+    import oscar_hf.evaluation.perplexity as perplexity
+
+    model = make_model("qwen3-gqa-qknorm-d128")
+    original = perplexity.make_cache
+    monkeypatch.setattr(
+        perplexity,
+        "make_cache",
+        lambda name, m, cal: original(
+            name, m, cal, **({} if name == "bf16" else {"sink_tokens": 2, "recent_tokens": 2})
+        ),
+    )
+    segments = torch.randint(3, 90, (2, 48), generator=torch.Generator().manual_seed(0))
+    rows = evaluate_perplexity(model, segments, [32], ["bf16", "int4", "naive-int2"])
+    kl = {r["method"]: r["value"] for r in rows if r["metric"] == "kl_to_bf16"}
+    bits = {r["method"]: r["bits_per_element"] for r in rows}
+    assert 0 < kl["int4"] < kl["naive-int2"]
+    assert bits["naive-int2"] < bits["int4"] < bits["bf16"]
+
+
+def test_needle_prompt_and_niah_rows():
+    tok = char_tokenizer()
+    ids = needle_prompt(tok, TEXT, length=300, depth=0.5, number=4242424)
+    text = tok.decode(ids[0])
+    assert NEEDLE.format(number=4242424) in text and 250 < ids.shape[1] < 360
+    model = make_model("llama-mha-d64")
+    rows = evaluate_niah(model, tok, TEXT, [200], [0.0, 1.0], ["bf16", "quarot-int2"])
+    assert len(rows) == 4 and {r["metric"] for r in rows} == {"needle_found"}
+    assert all(r["value"] in (0.0, 1.0) for r in rows)
+
+
+def test_gsm8k_loading_and_scoring(tmp_path):
+    assert extract_answer("so 3 + 4 = 7. The answer is 1,234.") == "1234"
+    assert extract_answer("no digits") is None
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text(
+        "\n".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"work\n#### {i + 1}"}) for i in range(3))
+    )
+    items = load_gsm8k(path, limit=2)
+    assert items == [{"question": "What is 0 + 1?", "answer": "1"}, {"question": "What is 1 + 1?", "answer": "2"}]
+    rows = evaluate_gsm8k(
+        make_model("llama-mha-d64"), char_tokenizer(), items, ["bf16", "naive-int2"], max_new_tokens=4
+    )
+    assert [r["metric"] for r in rows] == ["accuracy", "accuracy"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "q", "answer": "no marker"}))
+    with pytest.raises(ValueError, match="####"):
+        load_gsm8k(bad)
+
+
+def test_run_eval_writes_results_and_plots(tmp_path):
+    model = make_model("llama-mha-d64")
+    rows = run_eval(
+        model,
+        char_tokenizer(),
+        "tiny-llama",
+        ["bf16", "quarot-int2"],
+        ["perplexity", "niah"],
+        tmp_path,
+        text=TEXT,
+        contexts=(16, 32),
+        score_tokens=8,
+        segments=2,
+        niah_lengths=(150,),
+        niah_depths=(0.0, 1.0),
+    )
+    with open(tmp_path / "results.csv") as f:
+        written = list(csv.DictReader(f))
+    assert len(written) == len(rows) and set(written[0]) == {
+        "model",
+        "method",
+        "task",
+        "context",
+        "metric",
+        "value",
+        "bits_per_element",
+    }
+    assert {r["model"] for r in written} == {"tiny-llama"}
+    assert (tmp_path / "niah.png").stat().st_size > 0 and (tmp_path / "perplexity.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="--text"):
+        run_eval(model, char_tokenizer(), "m", ["bf16"], ["perplexity"], tmp_path)
+
+
+def test_cli_eval_end_to_end(tmp_path, capsys):
+    model = make_model("llama-mha-d64")
+    model.save_pretrained(tmp_path / "model")
+    char_tokenizer().save_pretrained(tmp_path / "model")
+    OscarRotations.hadamard(model.config).save_pretrained(tmp_path / "rot")
+    (tmp_path / "text.txt").write_text(TEXT)
+    main(
+        [
+            "eval",
+            "--model",
+            str(tmp_path / "model"),
+            "--rotations",
+            str(tmp_path / "rot"),
+            "--tasks",
+            "perplexity",
+            "--text",
+            str(tmp_path / "text.txt"),
+            "--contexts",
+            "16",
+            "--score-tokens",
+            "4",
+            "--segments",
+            "1",
+            "--out",
+            str(tmp_path / "out"),
+            "--dtype",
+            "float32",
+        ]
+    )
+    table = capsys.readouterr().out
+    assert "oscar-lloyd-max" in table and "kl_to_bf16" in table
+    assert (tmp_path / "out" / "results.csv").is_file()
+    assert isinstance(OscarQuantizedCache, type)

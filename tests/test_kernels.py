@@ -1,0 +1,246 @@
+"""Triton kernels on the CPU (TRITON_INTERPRET=1) against their pure-torch oracles.
+
+Write kernel vs ``quantizer.quantize`` (bit for bit), decode kernel vs ``naive.attend`` and an fp32 reference,
+the "triton" backend's dispatch, and ``model.generate`` with backend="triton" vs "torch".
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET") else "cpu"
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+    # Interpreter mode is fixed when triton.language is imported, and conftest's transformers import may have done
+    # that already: drop triton's Python modules so that they are imported again (the compiled triton._C stays).
+    for name in [m for m in sys.modules if m.split(".")[0] == "triton" and not m.startswith("triton._C")]:
+        del sys.modules[name]
+pytest.importorskip("triton")
+
+from conftest import make_model  # noqa: E402
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+
+from oscar_hf import OscarConfig, OscarLayer, OscarQuantizedCache, OscarRotations  # noqa: E402
+from oscar_hf.kernels import ATTENTION_BACKENDS, WRITE_BACKENDS, naive  # noqa: E402
+from oscar_hf.kernels.triton_decode import DecodeConfig, attend, decode  # noqa: E402
+from oscar_hf.kernels.triton_write import quantize_pack, quantize_pack_kv  # noqa: E402
+from oscar_hf.quantizer import QuantizedRows, dequantize, quantize, unpack  # noqa: E402
+
+DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def assert_same_rows(got: QuantizedRows, want: QuantizedRows) -> None:
+    for name, a, b in zip(want._fields, got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.equal(a, b), f"{name}: {(a != b).sum().item()} of {a.numel()} differ"
+
+
+def test_backends_registered():
+    assert "triton" in ATTENTION_BACKENDS and "triton" in WRITE_BACKENDS
+
+
+# ------------------------------------------------------------------------------------------ write kernel
+@pytest.mark.parametrize("scale_dtype", list(DTYPE_IDS), ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("x_dtype", list(DTYPE_IDS), ids=DTYPE_IDS.get)
+@pytest.mark.parametrize(
+    "d, bits, group, k_clip, v_clip",
+    [(128, 2, None, 0.96, 0.92), (64, 2, 32, 0.96, 1.0), (256, 2, 64, 0.9, 0.92), (128, 4, 64, 1.0, 0.96)],
+    ids=["D128-int2", "D64-int2-g32", "D256-int2-g64", "D128-int4-g64"],
+)
+def test_write_kernel_equals_quantizer(d, bits, group, k_clip, v_clip, x_dtype, scale_dtype):
+    """Codes, scale and zero are bit-identical: the bisection τ is the sort's, every fp32 operation is the same."""
+    x = randn(2, 2, 2, 37, d, seed=d + bits)
+    x[..., ::16] *= 20  # outlier channels, as in real keys
+    key, value = x.to(x_dtype).unbind(0)
+    kwargs = dict(bits=bits, group_size=group, scale_dtype=scale_dtype)
+    got_k, got_v = quantize_pack_kv(key, value, k_clip=k_clip, v_clip=v_clip, **kwargs)
+    assert_same_rows(got_k, quantize(key, clip=k_clip, **kwargs))
+    assert_same_rows(got_v, quantize(value, clip=v_clip, **kwargs))
+
+
+def test_write_kernel_ties_strides_and_edge_rows():
+    """Rows full of ties (values on a 1/4 grid), constant rows, a strided [B, H, n, D] view, zero rows."""
+    ties = (randn(64, 128, seed=1) * 4).round() / 4
+    constant = torch.tensor([[0.0] * 128, [300.0] * 128, [-1.5] * 128])
+    for x in (ties, constant):
+        assert_same_rows(quantize_pack(x, clip=0.9), quantize(x, clip=0.9))
+    window = randn(2, 3, 40, 64, seed=2).to(torch.bfloat16)
+    key, value = window[:, :, 5:30], window[:, :, 11:36]  # the cache's demoted slices are views like these
+    got_k, got_v = quantize_pack_kv(key, value, k_clip=0.96, v_clip=0.92)
+    assert_same_rows(got_k, quantize(key, clip=0.96))
+    assert_same_rows(got_v, quantize(value, clip=0.92))
+    assert quantize_pack(torch.empty(2, 0, 64)).codes.shape == (2, 0, 16)
+
+
+def test_write_kernel_falls_back_to_the_oracle():
+    x = randn(8, 128, seed=3)
+    assert_same_rows(quantize_pack(x, method="lloyd-max"), quantize(x, method="lloyd-max"))
+    x96 = randn(8, 96, seed=4)  # not a power of two
+    assert_same_rows(quantize_pack(x96, clip=0.96), quantize(x96, clip=0.96))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy meets the NaN/inf in the interpreter
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=str)
+def test_write_kernel_rejects_non_finite(bad):
+    key, value = randn(2, 64, seed=5), randn(2, 64, seed=6)
+    value[1, 5] = bad
+    with pytest.raises(ValueError, match="NaN or inf"):
+        quantize_pack_kv(key, value)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_write_kernel_rejects_scale_overflow():
+    x = randn(2, 64, seed=7)
+    x[0, :2] = torch.tensor([1e6, -1e6])
+    with pytest.raises(ValueError, match="scale_dtype"):
+        quantize_pack(x, scale_dtype=torch.float16)
+    assert_same_rows(quantize_pack(x, scale_dtype=torch.float32), quantize(x, scale_dtype=torch.float32))
+
+
+# ------------------------------------------------------------------------------------------ decode kernel
+class Attn(torch.nn.Module):
+    def __init__(self, groups: int):
+        super().__init__()
+        self.num_key_value_groups, self.is_causal = groups, True
+
+
+def filled_layer(batch, heads, dim, n_history, dtype, *, sink=4, recent=8, pads=(), seed=0, **config):
+    """An OscarLayer holding ``sink ‖ n_history quantized ‖ recent`` tokens after a prefill and one decode step,
+    the returned handles being those of the decode step. Left-padded positions hold huge K/V, so any leak shows."""
+    cfg = OscarConfig(sink_tokens=sink, recent_tokens=recent, flush_tokens=1, backend="torch", **config)
+    layer = OscarLayer(cfg, torch.eye(dim), torch.eye(dim))
+    total = sink + n_history + recent  # flush_tokens=1: every token past the windows is demoted at once
+    kv = randn(2, batch, heads, total, dim, seed=seed)
+    for row, pad in enumerate(pads):
+        kv[:, row, :, :pad] = 30.0
+    key, value = kv.to(dtype).unbind(0)
+    layer.update(key[:, :, :-1], value[:, :, :-1])
+    handles = layer.update(key[:, :, -1:], value[:, :, -1:])
+    assert (layer.n_sink, layer.n_history, layer.n_recent) == (sink, n_history, recent)
+    mask = None
+    if pads:
+        mask = torch.ones(batch, 1, 1, total, dtype=torch.bool)
+        for row, pad in enumerate(pads):
+            mask[row, ..., :pad] = False
+    return layer, handles, mask
+
+
+def fp32_reference(query, layer, mask, groups):
+    """Attention in fp32 over exactly what the layer stores (history dequantized in fp32)."""
+    parts = {}
+    for side in ("key", "value"):
+        h = layer.history.read(layer.n_history)
+        rows = QuantizedRows(h[f"{side}_codes"], h[f"{side}_scale"], h[f"{side}_zero"])
+        history = dequantize(rows, layer.config.bits, torch.float32)
+        sink, recent = layer.sink[side][:, :, : layer.n_sink], layer.recent[side][:, :, : layer.n_recent]
+        parts[side] = torch.cat([sink.float(), history, recent.float()], dim=2)
+    out, _ = sdpa_attention_forward(Attn(groups), query.float(), parts["key"], parts["value"], mask, scaling=None)
+    return out
+
+
+TOLERANCE = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+
+
+def check_decode(batch, heads, groups, dim, n_history, dtype, config=None, seed=0, **kwargs):
+    layer, (key, value), mask = filled_layer(batch, heads, dim, n_history, dtype, seed=seed, **kwargs)
+    query = randn(batch, heads * groups, 1, dim, seed=seed + 1).to(dtype)
+    got = decode(query, layer, mask, None, config)
+    want = naive.attend(Attn(groups), query, key, value, mask, None)
+    exact = fp32_reference(query, layer, mask, groups)
+    assert got.shape == want.shape == (batch, 1, heads * groups, dim) and got.dtype == dtype
+    # bf16/fp16 outputs are within a couple of output ulps of the fp32 result, as close as naive.attend is
+    err, naive_err = (got.float() - exact).abs().max().item(), (want.float() - exact).abs().max().item()
+    assert err <= max(2 * naive_err, TOLERANCE[dtype] / 4), (err, naive_err)
+    torch.testing.assert_close(got.float(), want.float(), rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("n_history", [1, 7, 63, 64, 65, 300, 1000])
+def test_decode_history_lengths(n_history):
+    check_decode(2, 2, 4, 128, n_history, torch.bfloat16, pads=(0, 9))
+
+
+@pytest.mark.parametrize(
+    "groups, dim, dtype",
+    [(1, 64, torch.float16), (4, 64, torch.bfloat16), (8, 128, torch.float16), (16, 128, torch.bfloat16),
+     (2, 256, torch.bfloat16), (8, 256, torch.float16)],
+    ids=lambda v: DTYPE_IDS.get(v, str(v)),
+)
+def test_decode_gqa_head_dims_dtypes(groups, dim, dtype):
+    check_decode(1, 2, groups, dim, 70, dtype)
+
+
+def test_decode_left_padding_reaches_into_history():
+    """Pads of 0, 3 (sink only), 11 (sink and history) and 40 tokens; the padded K/V are huge."""
+    check_decode(4, 1, 4, 64, 40, torch.float16, pads=(0, 3, 11, 40))
+
+
+def test_decode_windows_only_and_no_sink():
+    check_decode(2, 2, 4, 128, 0, torch.bfloat16, pads=(0, 2))  # empty history: sink and recent only
+    check_decode(2, 2, 4, 64, 50, torch.bfloat16, sink=0, pads=(0, 7))  # empty sink
+
+
+def test_decode_many_splits_and_partial_tiles():
+    """Small tiles and tiny splits: many history, sink and recent chunks, each ending mid-tile, merged by LSE."""
+    config = DecodeConfig(block_n=32, min_split_bytes=1024)
+    check_decode(2, 2, 4, 128, 301, torch.float16, config=config, sink=40, recent=70, pads=(0, 45))
+
+
+@pytest.mark.parametrize("group, bits", [(32, 2), (None, 4)], ids=["int2-g32", "int4"])
+def test_decode_groups_and_int4(group, bits):
+    check_decode(2, 2, 4, 128, 90, torch.float16, group_size=group, bits=bits, pads=(0, 6))
+
+
+def test_attend_dispatches_everything_else_to_naive():
+    """q_len > 1 (chunked prefill), fp32 models and a newest token already quantized (recent_tokens=0) run naive."""
+    cases = [dict(q_len=3), dict(dtype=torch.float32), dict(recent=0)]
+    for case in cases:
+        dtype = case.get("dtype", torch.bfloat16)
+        cfg = OscarConfig(sink_tokens=4, recent_tokens=case.get("recent", 8), flush_tokens=1, backend="torch")
+        layer = OscarLayer(cfg, torch.eye(64), torch.eye(64))
+        kv = randn(2, 1, 2, 30, 64, seed=8).to(dtype)
+        layer.update(kv[0, :, :, :27], kv[1, :, :, :27])
+        q_len = case.get("q_len", 1)
+        key, value = layer.update(kv[0, :, :, 27 : 27 + q_len], kv[1, :, :, 27 : 27 + q_len])
+        query = randn(1, 4, q_len, 64, seed=9).to(dtype)
+        got = attend(Attn(2), query, key, value, None, None)
+        torch.testing.assert_close(got, naive.attend(Attn(2), query, key, value, None, None), rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------- generate
+def test_generate_triton_equals_torch_with_int2_history():
+    """Tiny bf16 model, sink 4 + recent 8: the prompt and the flushes go through both triton kernels."""
+    model = make_model("qwen3-gqa-qknorm-d128", dtype=torch.bfloat16)
+    ids = torch.randint(3, 90, (2, 30), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    ids[1, :5], mask[1, :5] = 0, 0
+    out = {}
+    for backend in ("torch", "triton"):
+        cache = OscarQuantizedCache.from_pretrained(
+            OscarRotations.hadamard(model.config), model=model, sink_tokens=4, recent_tokens=8, backend=backend
+        )
+        out[backend] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                                      past_key_values=cache, pad_token_id=0)
+        assert all(layer.n_history > 0 for layer in cache.layers)
+    torch.testing.assert_close(out["triton"], out["torch"], rtol=0, atol=0)
+
+
+def test_cache_quantizes_through_the_triton_writer():
+    cfg = dict(sink_tokens=2, recent_tokens=4, flush_tokens=2)
+    layers = {b: OscarLayer(OscarConfig(backend=b, **cfg), torch.eye(64), torch.eye(64)) for b in ("torch", "triton")}
+    kv = randn(2, 2, 3, 25, 64, seed=10).to(torch.bfloat16)
+    for layer in layers.values():
+        layer.update(kv[0, :, :, :20], kv[1, :, :, :20])
+        for t in range(20, 25):
+            layer.update(kv[0, :, :, t : t + 1], kv[1, :, :, t : t + 1])
+    torch_layer, triton_layer = layers["torch"], layers["triton"]
+    assert triton_layer.n_history == torch_layer.n_history > 0
+    for name in torch_layer.history.tensors:
+        a = triton_layer.history[name][:, :, : triton_layer.n_history]
+        assert torch.equal(a, torch_layer.history[name][:, :, : torch_layer.n_history]), name
+    assert unpack(triton_layer.history["key_codes"][:, :, :1], 2).max() <= 3
