@@ -74,16 +74,25 @@ TARGET_MOMENTS = {"qqt": "qq", "ktk": "kk", "vtv": "vv", "softmax": "oo", "sst":
 
 
 class MomentObserver:
-    """Float64 sums per layer and KV head. Pass 1: q qᵀ, k kᵀ, v vᵀ or o oᵀ as the targets need.
+    """Float64 sums per layer and KV head, zero-initialised on ``device`` (so a process that gets no
+    chunk still takes part in the reduction). Pass 1: q qᵀ, k kᵀ, v vᵀ or o oᵀ as the targets need.
     Pass 2 (``query_cov`` given, for "sst"): Σ w v vᵀ and Σ w with ``w = k·C_h·kᵀ``."""
 
-    def __init__(self, targets: tuple[str, ...], query_cov: dict[int, torch.Tensor] | None = None):
+    def __init__(self, targets: tuple[str, ...], shape, device, query_cov: dict[int, torch.Tensor] | None = None):
         self.query_cov = query_cov
         self.wanted = set() if query_cov else {TARGET_MOMENTS[t] for t in targets if t in TARGET_MOMENTS}
-        self.sums: dict[str, torch.Tensor] = {}
+        h, d = shape.num_kv_heads, shape.head_dim
+        sizes = {name: (h, d, d) for name in self.wanted} | {"tokens": ()}
+        if query_cov is not None:
+            sizes |= {"wvv": (h, d, d), "wsum": (h,)}
+        self.sums = {
+            f"{layer}.{name}": torch.zeros(size, dtype=torch.float64, device=device)
+            for layer in range(shape.num_layers)
+            for name, size in sizes.items()
+        }
 
     def _add(self, name: str, value: torch.Tensor) -> None:
-        self.sums[name] = self.sums[name] + value if name in self.sums else value
+        self.sums[name] += value.to(self.sums[name].device)
 
     def observe(self, layer_idx, query, key, value, output, scaling) -> None:
         b, h, t, d = key.shape
@@ -91,7 +100,7 @@ class MomentObserver:
         for name in self.wanted:
             x = tensors[name].double().reshape(b, h, -1, d)  # query groups: [B, H, g·T, D]
             self._add(f"{layer_idx}.{name}", torch.einsum("bhnd,bhne->hde", x, x))
-        self._add(f"{layer_idx}.tokens", torch.tensor(float(b * t), dtype=torch.float64, device=key.device))
+        self.sums[f"{layer_idx}.tokens"] += b * t
         if self.query_cov is not None:
             k, v = key.double(), value.double()
             weights = torch.einsum("bhtd,hde,bhte->bht", k, self.query_cov[layer_idx].to(k.device), k)
@@ -100,12 +109,18 @@ class MomentObserver:
 
 
 def _reduce(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    from accelerate import PartialState
     from accelerate.utils import reduce
 
-    if PartialState().num_processes == 1:
+    if _state().num_processes == 1:
         return sums
     return dict(reduce(dict(sorted(sums.items())), reduction="sum"))
+
+
+def _state():
+    """accelerate's process state (gloo on CPU-only machines, so torchrun on CPU works too)."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=not torch.cuda.is_available())
 
 
 # ----------------------------------------------------------------------------------- inputs
@@ -157,9 +172,7 @@ def _paragraph_pieces(text: str, size: int = 16384):
 
 
 def _forward_all(model, observer, chunks, batch_size: int, desc: str, show_progress: bool) -> None:
-    from accelerate import PartialState
-
-    state = PartialState()
+    state = _state()
     with state.split_between_processes(chunks) as mine:
         bar = tqdm(
             total=sum(c.numel() for c in mine),
@@ -232,7 +245,8 @@ def calibrate(
     chunks = token_chunks(None, [torch.cat(all_chunks)[:num_tokens]], num_tokens, max_length)
     used = sum(c.numel() for c in chunks)
 
-    moments = MomentObserver((k_target, v_target))
+    device = _state().device if _state().num_processes > 1 else model.device
+    moments = MomentObserver((k_target, v_target), shape, device)
     if moments.wanted:
         _forward_all(model, moments, chunks, batch_size, "calibrate (pass 1)", show_progress)
     sums = _reduce(moments.sums)
@@ -243,7 +257,7 @@ def calibrate(
 
     if v_target == "sst":
         query_cov = {i: sums[f"{i}.qq"] / (sums[f"{i}.tokens"] * group) for i in range(shape.num_layers)}
-        weighted = MomentObserver((), query_cov=query_cov)
+        weighted = MomentObserver((), shape, device, query_cov=query_cov)
         _forward_all(model, weighted, chunks, batch_size, "calibrate (pass 2)", show_progress)
         sums.update(_reduce(weighted.sums))
 

@@ -77,9 +77,9 @@ def cmd_calibrate(args) -> None:
     )
     rotations.source_model = args.model
     rotations.calibration["data"] = args.data
-    from accelerate import PartialState
+    from .calibrate import _state
 
-    if not PartialState().is_main_process:
+    if not _state().is_main_process:
         return
     rotations.save_pretrained(args.out)
     print(f"saved {rotations} to {args.out}")

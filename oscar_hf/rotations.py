@@ -165,6 +165,8 @@ class OscarRotations:
             if not isinstance(data, dict) or not isinstance(data.get("layers"), dict) or not data["layers"]:
                 raise ValueError(f"{path} is not an OSCAR reference rotation file (no 'layers' dict)")
             layers = sorted(data["layers"].items(), key=lambda item: int(item[0]))
+            if not all(isinstance(e, dict) and {"rotation", "eigenvalues"} <= set(e) for _, e in layers):
+                raise ValueError(f"{path}: every layer entry needs 'rotation' and 'eigenvalues'")
             if [int(i) for i, _ in layers] != list(range(len(layers))):
                 raise ValueError(f"{path}: layer ids {[int(i) for i, _ in layers]} are not 0..{len(layers) - 1}")
             rotation = torch.stack([torch.as_tensor(entry["rotation"]) for _, entry in layers])

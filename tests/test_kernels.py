@@ -154,9 +154,10 @@ def check_decode(batch, heads, groups, dim, n_history, dtype, config=None, seed=
     want = naive.attend(Attn(groups), query, key, value, mask, None)
     exact = fp32_reference(query, layer, mask, groups)
     assert got.shape == want.shape == (batch, 1, heads * groups, dim) and got.dtype == dtype
-    # bf16/fp16 outputs are within a couple of output ulps of the fp32 result, as close as naive.attend is
+    # As close to the fp32 result as naive.attend is, up to one more rounding (the kernel feeds p to the tensor
+    # cores in the model dtype, as flash attention does; naive's CPU SDPA keeps p in fp32)
     err, naive_err = (got.float() - exact).abs().max().item(), (want.float() - exact).abs().max().item()
-    assert err <= max(2 * naive_err, TOLERANCE[dtype] / 4), (err, naive_err)
+    assert err <= 2 * naive_err + torch.finfo(dtype).eps * exact.abs().max().item(), (err, naive_err)
     torch.testing.assert_close(got.float(), want.float(), rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 

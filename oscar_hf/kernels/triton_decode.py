@@ -125,6 +125,7 @@ def _attend_codes(
     SUBS_PER_GROUP: tl.constexpr = GROUP // W
     NG: tl.constexpr = NSUB // SUBS_PER_GROUP
     BLOCK_H: tl.constexpr = qs[0].shape[0]
+    CENTER: tl.constexpr = ((1 << BITS) - 1) / 2
     byte = tl.arange(0, W)
     qsums = ()  # Σq over each group, for the zero term
     pzs = ()  # per group: Σ p·z - M·Σ p·s, added to the group's output columns at the end
@@ -161,9 +162,10 @@ def _attend_codes(
         new_pzs = ()
         for g in tl.static_range(NG):
             s = meta[4 * g + 2].to(tl.float32)
-            z = meta[4 * g + 3].to(tl.float32)
+            mid = meta[4 * g + 3].to(tl.float32) + CENTER * s  # the rounding of p·s then weighs |code - CENTER|
             ps = (p * s[None, :]).to(DT, fp_downcast_rounding="rtne")
-            new_pzs = new_pzs + (pzs[g] * alpha + tl.sum(p * z[None, :] - MAGIC_VALUE * ps.to(tl.float32), axis=1),)
+            corr = tl.sum(p * mid[None, :] - (MAGIC_VALUE + CENTER) * ps.to(tl.float32), axis=1)
+            new_pzs = new_pzs + (pzs[g] * alpha + corr,)
             for j in tl.static_range(SUBS_PER_GROUP):
                 vq = _codes(vb, (g * SUBS_PER_GROUP + j) * BITS, BITS, DT, MAGIC_BITS, FAST_UNPACK)
                 new_accs = new_accs + (_dot(ps, vq, accs[g * SUBS_PER_GROUP + j] * alpha[:, None], FP32_DOT),)
