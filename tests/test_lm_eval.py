@@ -98,8 +98,6 @@ def evaluate(assets, model, model_args: str | None = None) -> dict:
 def responses(results: dict, task: str) -> list:
     """Per document: the generated string, the choices' loglikelihoods, or the rolling loglikelihood."""
     samples = sorted(results["samples"][task], key=lambda s: s["doc_id"])
-    if task == "tiny_gen":
-        return [s["filtered_resps"][0] for s in samples]
     if task == "tiny_mc":
         return [[r[0] for r in s["filtered_resps"]] for s in samples]
     return [s["filtered_resps"][0] for s in samples]
