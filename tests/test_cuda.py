@@ -19,8 +19,10 @@ def to_cuda(inputs: dict) -> dict:
 
 
 @pytest.mark.parametrize("mode", ["greedy", "left-padded-batch", "beam-search", "prompt-lookup"])
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_token_identical_when_windows_cover_sequence_on_cuda(arch, mode, backend):
+def test_token_identical_when_windows_cover_sequence_on_cuda(arch, mode):
+    """The torch backend is exact here; the Triton kernel is compared on logits (it is not bit-identical
+    to SDPA, and random bf16 models have 1-ulp logit ties)."""
+    backend = "torch"
     model = cuda_model(arch)
     make_inputs, kwargs = MODES[mode]
     expected = run(model, to_cuda(make_inputs()), **kwargs)

@@ -1,4 +1,5 @@
-"""Triton kernels on the CPU (TRITON_INTERPRET=1) against their pure-torch oracles.
+"""Triton kernels against their pure-torch oracles: on the CPU under TRITON_INTERPRET=1 (set here), or compiled
+on CUDA tensors when a GPU is present and TRITON_INTERPRET is not set.
 
 Write kernel vs ``quantizer.quantize`` (bit for bit), decode kernel vs ``naive.attend`` and an fp32 reference,
 the "triton" backend's dispatch, and ``model.generate`` with backend="triton" vs "torch".

@@ -2,22 +2,28 @@
 
 The pure-torch twin (and oracle) is :func:`oscar_hf.kernels.naive.attend`.
 
-Stage 1 (grid ``B·H × splits``): each program serves one KV head's whole GQA group (``g`` query rows
-padded to ``BLOCK_H >= 16`` for ``tl.dot``) over one range of the logical sequence, with a one-pass
-online softmax in base 2, and writes a normalised partial output and its log-sum-exp. The splits are
-history chunks (packed codes), then sink chunks and recent chunks (model dtype).
+Stage 1 (grid ``B·H × splits``): a program serves one KV head's whole GQA group (its ``g`` query rows padded to
+``BLOCK_H >= 16`` for ``tl.dot``, so each KV tile is loaded once per group) over one chunk of the sequence, with a
+one-pass online softmax in base 2, and writes a normalised partial output and its log-sum-exp. The chunks are
+history chunks (packed codes) and sink/recent chunks (model dtype), sized to read about the same bytes each;
+their number targets ``programs_per_sm`` programs per SM. Stage 2 (grid ``B·Hq``) merges them by log-sum-exp.
 
-History tiles: the packed bytes ``[BLOCK_N, D/n]`` are unpacked with one shift, one mask and one or per
-element (``n = 8/bits`` codes per byte; the sub-tiles of channels ``i·D/n + j`` stack into ``[D, BLOCK_N]``
-by a reshape) straight into the dot dtype: ``code | magic`` read as bf16 (fp16) is ``128 + code``
-(``1024 + code``), so no int-to-float conversion is issued. Scale and zero stay out of the element loop:
+History tiles. Byte ``j`` of a row holds channels ``j + i·W`` (``W = D·bits/8``, ``i < 8/bits``), so the codes are
+used as ``8/bits`` channel sub-tiles of width W, each the byte tile shifted by ``i·bits`` and masked: q is split the
+same way (``8/bits`` dots with K = W, accumulated) and so is the output (``8/bits`` accumulators); nothing is
+joined or permuted. Codes become dot operands without an int-to-float conversion: ``code | magic`` read as bf16
+(fp16) is ``M + code`` with M = 128 (1024). With ``fast_unpack`` one inline-PTX block turns a 32-bit word of 4
+bytes into two bf16x2/fp16x2 registers (shift, and, two ``prmt``: 1 instruction per code). Scale and zero stay
+out of the element loop (per token and group):
 
-* K: ``logit = s·(q·c') + (z - M·s)·Σq`` per token and group, with ``c' = M + c`` (``M`` the magic);
-* V: ``o += (p·s)·c'`` on tensor cores, plus ``Σ p·z - M·Σ(p·s)`` once per token, where ``p·s`` is the
-  dot-dtype value fed to the matmul, so the offset cancels exactly up to fp32 accumulation.
+* K: ``logit = s·(q·(M + c)) + (z - M·s)·Σq``;
+* V: the tensor cores accumulate ``(p·s)·(M + c)`` with ``p·s`` rounded to the dot dtype, and
+  ``Σ p·(z + c̄·s) - (M + c̄)·Σ(p·s)`` (c̄ the middle code; the same rounded ``p·s``) is added once per
+  token: the offset cancels up to fp32 accumulation, and the rounding of ``p·s`` weighs ``|c - c̄|``.
 
-The attention mask ``[B, 1, 1, T]`` (True = attend) is read per key and folded into the logits as
-``-inf``, so left padding is exact. Stage 2 (grid ``B·Hq``) merges the splits by log-sum-exp.
+The attention mask ``[B, 1, 1, T]`` (True = attend) is read per key (prefetched a tile ahead with the scales and
+zeros) and applied to the logits as ``-inf``, so left padding is exact. bf16 and fp16 only: fp32 models (and the
+layouts of :func:`kernel_supports`' other cases) run ``naive.attend``.
 """
 
 from __future__ import annotations
@@ -204,7 +210,9 @@ def _attend_dense(
     return m, den, accs
 
 
-@triton.jit
+# Sequence-dependent ints are not specialized (on == 1 / divisibility by 16): each new combination would compile.
+@triton.jit(do_not_specialize=["stride_mb", "n_sink", "n_hist", "n_recent", "hist_chunk", "hist_splits", "win_chunk",
+                               "sink_splits", "total_splits"])
 def _decode_stage1_kernel(
     q_ptr, stride_qb, stride_qh,
     sk_ptr, sv_ptr, stride_sink_b, stride_sink_h, stride_sink_n,
@@ -265,7 +273,7 @@ def _decode_stage1_kernel(
     tl.store(part_lse_ptr + part, tl.where(den > 0, m + tl.log2(safe_den), float("-inf")), mask=keep)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["total_splits"])
 def _decode_stage2_kernel(part_o_ptr, part_lse_ptr, out_ptr, total_splits, D: tl.constexpr, BLOCK_S: tl.constexpr):
     """Merge the splits of one (batch, query head) by log-sum-exp; rows with no valid key give 0."""
     row = tl.program_id(0).to(tl.int64)
@@ -293,18 +301,16 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def plan_splits(batch_heads: int, n_hist: int, n_window: int, head_dim: int, bits: int, group: int,
-                window_bytes: int, cfg: DecodeConfig, sm_count: int) -> tuple[int, int]:
-    """Tokens per history split and per window split, so that every split reads about the same bytes and the
-    grid has about ``programs_per_sm · sm_count`` programs (fewer when a split would read < min_split_bytes)."""
-    hist_bytes = 2 * (head_dim * bits // 8 + 2 * 2 * head_dim // group)  # K + V codes, 16-bit scale and zero
+def plan_splits(batch_heads: int, n_hist: int, hist_bytes: int, n_window: int, window_bytes: int, window_block: int,
+                cfg: DecodeConfig, sm_count: int) -> tuple[int, int]:
+    """Tokens per history chunk and per sink/recent chunk (``*_bytes``: K + V bytes per token), so that every split
+    reads about the same bytes and the grid has about ``programs_per_sm · sm_count`` programs (fewer when a split
+    would read less than ``min_split_bytes``)."""
     total = n_hist * hist_bytes + n_window * window_bytes
     splits = max(1, min(triton.cdiv(cfg.programs_per_sm * sm_count, batch_heads), total // cfg.min_split_bytes))
     per_split = triton.cdiv(total, splits)
     hist_chunk = triton.cdiv(triton.cdiv(per_split, hist_bytes), cfg.block_n) * cfg.block_n
-    window_block = WINDOW_BLOCK.get(head_dim, 32)
-    win_chunk = triton.cdiv(triton.cdiv(per_split, window_bytes), window_block) * window_block
-    return hist_chunk, win_chunk
+    return hist_chunk, triton.cdiv(triton.cdiv(per_split, window_bytes), window_block) * window_block
 
 
 def kernel_supports(query: torch.Tensor, layer, attention_mask: torch.Tensor | None) -> bool:
@@ -319,9 +325,10 @@ def kernel_supports(query: torch.Tensor, layer, attention_mask: torch.Tensor | N
         and layer.group_size >= d // per_byte >= 16  # a group spans whole channel sub-tiles of >= 16
         # the newest token must be stored at full precision (naive reads it from key.new): recent_tokens >= 1
         and not (layer.n_recent == 0 and layer.n_history > 0)
-        and (attention_mask is None or (attention_mask.dtype == torch.bool and attention_mask.shape[-1] == layer.length
-                                        and attention_mask.shape[1] == 1))
+        and layer.dtype == query.dtype
         and (query.is_cuda or triton.knobs.runtime.interpret)
+        and (attention_mask is None or (attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1
+                                        and attention_mask.shape[-1] == layer.length))
     )
 
 
@@ -358,10 +365,10 @@ def decode(
     dt, magic_bits, magic_value = MAGIC[query.dtype]
     query = query if query.stride(-1) == 1 else query.contiguous()
     sink, hist, recent = layer.sink, layer.history, layer.recent
-    n_window = layer.n_sink + layer.n_recent
+    hist_bytes = 2 * (hist["key_codes"].shape[-1] + 2 * hist["key_scale"].shape[-1] * hist["key_scale"].element_size())
     hist_chunk, win_chunk = plan_splits(
-        batch * heads, layer.n_history, n_window, d, layer.config.bits, layer.group_size,
-        2 * d * query.element_size(), cfg, _sm_count(query.device),
+        batch * heads, layer.n_history, hist_bytes, layer.n_sink + layer.n_recent, 2 * d * query.element_size(),
+        WINDOW_BLOCK[d], cfg, _sm_count(query.device),
     )
     hist_splits = triton.cdiv(layer.n_history, hist_chunk)
     sink_splits = triton.cdiv(layer.n_sink, win_chunk)

@@ -92,7 +92,7 @@ def _quantize_block(
     tl.store(zero_ptr + meta, zero, mask=live[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["k_stride_p", "v_stride_p", "n_per_p", "rows"])  # lengths vary: compile once
 def _quantize_kv_kernel(
     k_ptr, k_stride_p, k_stride_n, v_ptr, v_stride_p, v_stride_n, n_per_p, rows,
     codes_ptr, scale_ptr, zero_ptr, flag_ptr, tiny,
@@ -114,9 +114,12 @@ def _rows_view(x: torch.Tensor) -> torch.Tensor:
     return x3 if x3.stride(-1) == 1 else x3.contiguous()
 
 
-def kernel_supports(d: int, group: int, method: str) -> bool:
-    """Whether the kernel handles this row width, group size and quantizer (else the oracle runs)."""
-    return method == "uniform" and d >= 8 and d & (d - 1) == 0 and group <= d
+def kernel_supports(x: torch.Tensor, group: int, method: str) -> bool:
+    """Whether the kernel handles these rows, group size and quantizer (else the oracle runs): the uniform
+    quantizer, power-of-two D and group, on CUDA (or anywhere under TRITON_INTERPRET=1)."""
+    d = x.shape[-1]
+    return (method == "uniform" and d >= 8 and d & (d - 1) == 0 and group <= d and group & (group - 1) == 0
+            and (x.is_cuda or triton.knobs.runtime.interpret))
 
 
 def quantize_pack_kv(
@@ -136,9 +139,8 @@ def quantize_pack_kv(
     and zero ``[..., D/group]`` in ``scale_dtype``, equal to ``quantizer.quantize`` on each side. The
     Lloyd-Max quantizer and non-power-of-two D fall back to that oracle.
     """
-    d = key.shape[-1]
-    group = group_size or d
-    if key.shape != value.shape or not kernel_supports(d, group, method):
+    group = group_size or key.shape[-1]
+    if key.shape != value.shape or not kernel_supports(key, group, method):
         return (quantize(key, bits=bits, group_size=group_size, clip=k_clip, scale_dtype=scale_dtype, method=method),
                 quantize(value, bits=bits, group_size=group_size, clip=v_clip, scale_dtype=scale_dtype, method=method))
     return _launch((key, value), (k_clip, v_clip), bits, group, scale_dtype)
@@ -155,7 +157,7 @@ def quantize_pack(
 ) -> QuantizedRows:
     """Drop-in for :func:`oscar_hf.quantizer.quantize` (one side, ``x [..., D]``); see :func:`quantize_pack_kv`."""
     group = group_size or x.shape[-1]
-    if not kernel_supports(x.shape[-1], group, method):
+    if not kernel_supports(x, group, method):
         return quantize(x, bits=bits, group_size=group_size, clip=clip, scale_dtype=scale_dtype, method=method)
     return _launch((x,), (clip,), bits, group, scale_dtype)[0]
 

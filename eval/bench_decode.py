@@ -1,0 +1,323 @@
+"""Decode-attention and write-kernel benchmark of the Triton backend on one CUDA GPU.
+
+    PYTHONPATH=. python eval/bench_decode.py [--quick] [--sweep] [--out eval/results]
+    PYTHONPATH=. python eval/bench_decode.py --smoke          # CPU, TRITON_INTERPRET=1, tiny shapes, no timings
+
+1. Checks both kernels against their torch oracles (write: bit-identical; decode: as close to an fp32 reference
+   as naive.attend), for the inline-PTX and the plain unpacking; aborts if neither is right.
+2. Measures the device copy bandwidth (a large device-to-device copy, bytes read + written).
+3. Times the decode kernel over T x batch x shape, from CUDA graphs that run the call on several rotated input
+   sets (more bytes than the L2 cache; no launch overhead; triton.testing.do_bench median), and reports GB/s over
+   the packed bytes read (codes + scales/zeros + sink/recent windows + q), the fraction of the copy bandwidth,
+   and the speedup over bf16 torch SDPA decode (same context and GQA, query heads packed per KV head). The eager
+   time of one call (Python launch overhead included) is reported too.
+4. Times the write kernel on a 32K-token prefill of one layer against that layer's bf16 SDPA prefill.
+
+Prints a table and writes eval/results/bench_decode_<gpu>.csv (--sweep: every tile config at every point).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+SHAPES = {  # name: (query heads, KV heads, head_dim)
+    "qwen3-8b": (32, 8, 128),
+    "llama3.2-1b-d64": (32, 8, 64),
+    "d256-16q4kv": (16, 4, 256),
+}
+SINK, RECENT = 64, 256
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a handful of points (< 1 minute)")
+    p.add_argument("--sweep", action="store_true", help="time every tile config at every point")
+    p.add_argument("--smoke", action="store_true", help="CPU/TRITON_INTERPRET=1 run of the whole script, tiny shapes")
+    p.add_argument("--out", default="eval/results", help="folder for the CSV")
+    return p.parse_args()
+
+
+ARGS = parse_args()
+if ARGS.smoke:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+import triton  # noqa: E402
+
+from oscar_hf import OscarConfig, OscarLayer  # noqa: E402
+from oscar_hf.kernels import naive  # noqa: E402
+from oscar_hf.kernels.triton_decode import DecodeConfig, decode, default_config  # noqa: E402
+from oscar_hf.kernels.triton_write import quantize_pack_kv  # noqa: E402
+from oscar_hf.quantizer import QuantizedRows, dequantize, quantize  # noqa: E402
+
+DEVICE = "cpu" if ARGS.smoke else "cuda"
+
+
+class Attn(torch.nn.Module):
+    def __init__(self, groups: int):
+        super().__init__()
+        self.num_key_value_groups, self.is_causal = groups, True
+
+
+# ---------------------------------------------------------------------------------------------- checks
+def check_write() -> None:
+    rows = 8 if ARGS.smoke else 300
+    cases = ((128, None, torch.bfloat16), (64, 32, torch.float16), (256, None, torch.bfloat16))
+    for d, group, dtype in cases[:1] if ARGS.smoke or ARGS.quick else cases:  # (each case compiles a kernel)
+        k, v = ((torch.randn(4, rows, d, device=DEVICE) * 3).to(dtype) for _ in range(2))
+        got = quantize_pack_kv(k, v, group_size=group, k_clip=0.96, v_clip=0.92)
+        want = (quantize(k, group_size=group, clip=0.96), quantize(v, group_size=group, clip=0.92))
+        for g, w in zip(got, want):
+            if not all(torch.equal(a, b) for a, b in zip(g, w)):
+                sys.exit(f"ABORT: write kernel differs from quantizer.quantize (D={d}, group={group}, {dtype})")
+    print("write kernel: bit-identical to quantizer.quantize")
+
+
+def check_decode(fast_unpack: bool) -> bool:
+    """Real layers (prefill + one decode step through the triton writer, left padding) vs naive.attend."""
+    cases = ((4, 128, torch.bfloat16, 700), (4, 64, torch.float16, 300), (8, 256, torch.bfloat16, 90))
+    for groups, d, dtype, n in cases[:1] if ARGS.smoke or ARGS.quick else cases:
+        cfg = OscarConfig(sink_tokens=8, recent_tokens=16, flush_tokens=4, backend="triton")
+        layer = OscarLayer(cfg, torch.eye(d), torch.eye(d))
+        kv = torch.randn(2, 2, 2, n, d, device=DEVICE).to(dtype)
+        kv[:, 1, :, :37] = 30.0  # left padding with huge K/V: a leak would show
+        mask = torch.ones(2, 1, 1, n, dtype=torch.bool, device=DEVICE)
+        mask[1, ..., :37] = False
+        layer.update(kv[0, :, :, :-1], kv[1, :, :, :-1])
+        key, value = layer.update(kv[0, :, :, -1:], kv[1, :, :, -1:])
+        query = torch.randn(2, 2 * groups, 1, d, device=DEVICE).to(dtype)
+        config = replace(default_config(2, d), fast_unpack=fast_unpack)
+        got = decode(query, layer, mask, None, config).float()
+        want = naive.attend(Attn(groups), query, key, value, mask, None).float()
+        parts = {}
+        for side in ("key", "value"):
+            h = layer.history.read(layer.n_history)
+            hist = dequantize(QuantizedRows(h[f"{side}_codes"], h[f"{side}_scale"], h[f"{side}_zero"]), 2)
+            parts[side] = torch.cat([layer.sink[side][:, :, : layer.n_sink].float(), hist,
+                                     layer.recent[side][:, :, : layer.n_recent].float()], dim=2)
+        exact = torch.nn.functional.scaled_dot_product_attention(
+            query.float().view(2, 2, groups, d), parts["key"], parts["value"], attn_mask=mask[:, :, 0, None, :]
+        ).reshape(2, 1, 2 * groups, d)
+        err, naive_err = (got - exact).abs().max().item(), (want - exact).abs().max().item()
+        bound = 2 * naive_err + torch.finfo(dtype).eps * exact.abs().max().item()
+        if not err <= bound:
+            print(f"  mismatch: {config} g={groups} D={d} {dtype}: {err:.2g} > {bound:.2g} (naive {naive_err:.2g})")
+            return False
+    return True
+
+
+# ------------------------------------------------------------------------------------------- synthetic data
+def synthetic_layer(batch: int, heads: int, d: int, n_hist: int, dtype=torch.bfloat16) -> OscarLayer:
+    """An OscarLayer holding SINK + n_hist + RECENT tokens of random data (codes need no quantization to time)."""
+    config = OscarConfig(sink_tokens=SINK, recent_tokens=RECENT, backend="triton")
+    layer = OscarLayer(config, torch.eye(d), torch.eye(d))
+    x = torch.zeros(batch, heads, 1, d, dtype=dtype, device=DEVICE)
+    layer.lazy_initialization(x, x)
+
+    def window(n):
+        return torch.randn(batch, heads, n, d, dtype=dtype, device=DEVICE)
+
+    def meta(lo, hi):
+        return torch.empty(batch, heads, n_hist, 1, dtype=torch.float16, device=DEVICE).uniform_(lo, hi)
+
+    codes = [torch.randint(0, 256, (batch, heads, n_hist, d // 4), dtype=torch.uint8, device=DEVICE) for _ in "kv"]
+    layer.sink.tensors = {"key": window(SINK), "value": window(SINK)}
+    layer.recent.tensors = {"key": window(RECENT), "value": window(RECENT)}
+    layer.history.tensors = {"key_codes": codes[0], "key_scale": meta(0.02, 0.05), "key_zero": meta(-0.1, -0.05),
+                             "value_codes": codes[1], "value_scale": meta(0.5, 1.0), "value_zero": meta(-1.5, -1.0)}
+    layer.n_sink, layer.n_history, layer.n_recent = SINK, n_hist, RECENT
+    return layer
+
+
+def packed_bytes(batch: int, hq: int, heads: int, d: int, n_hist: int) -> int:
+    codes = 2 * batch * heads * n_hist * d // 4
+    meta = 2 * 2 * batch * heads * n_hist * 2
+    windows = 2 * batch * heads * (SINK + RECENT) * d * 2
+    return codes + meta + windows + batch * hq * d * 2
+
+
+# ------------------------------------------------------------------------------------------------- timing
+def graph_time(calls) -> float:
+    """Median ms per call of a CUDA graph running ``calls`` back to back (smoke: one eager pass, wall clock)."""
+    if ARGS.smoke:
+        start = time.perf_counter()
+        for call in calls:
+            call()
+        return (time.perf_counter() - start) * 1e3 / len(calls)
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=60, return_mode="median") / len(calls)
+    del graph
+    return ms
+
+
+def eager_time(fn) -> float:
+    if ARGS.smoke:
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a device-to-device copy, bytes read + written."""
+    n = (1 << 20) if ARGS.smoke else min(1 << 30, torch.cuda.mem_get_info()[0] // 8)
+    src = torch.empty(n, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    return 2 * n / (eager_time(lambda: dst.copy_(src)) * 1e-3) / 1e9
+
+
+def rotations(bytes_per_set: int) -> int:
+    l2 = 0 if ARGS.smoke else torch.cuda.get_device_properties(0).L2_cache_size
+    return max(1, min(16, math.ceil(4 * l2 / bytes_per_set)))
+
+
+def fits(nbytes: int) -> bool:
+    return ARGS.smoke or nbytes < 0.8 * torch.cuda.mem_get_info()[0]
+
+
+def sweep_configs(batch: int, d: int, fast_ok: bool) -> list[DecodeConfig]:
+    base = replace(default_config(batch, d), fast_unpack=fast_ok)
+    if not ARGS.sweep:
+        return [base]
+    tiles = {  # (block_n, warps, stages)
+        64: [(64, 1, 3), (128, 1, 3), (64, 2, 3), (128, 2, 3), (64, 4, 3)],
+        128: [(128, 4, 3), (64, 4, 3), (128, 4, 2), (128, 4, 4), (256, 4, 2), (256, 4, 3), (128, 2, 3), (64, 1, 3),
+              (128, 8, 3)],
+        256: [(64, 4, 3), (128, 4, 3), (128, 4, 2), (64, 8, 3), (64, 2, 3), (32, 4, 3)],
+    }[d]
+    configs = [DecodeConfig(n, w, s, base.programs_per_sm, fast_ok) for n, w, s in tiles]
+    configs += [replace(base, programs_per_sm=p) for p in (2, 8)]
+    return configs + ([replace(base, fast_unpack=False)] if fast_ok else [])
+
+
+def time_configs(batch: int, hq: int, heads: int, d: int, n_hist: int, configs) -> tuple[list, list]:
+    """(kernel ms from CUDA graphs over rotated input sets, eager ms of one call) per config; the queries used."""
+    n_sets = rotations(packed_bytes(batch, hq, heads, d, n_hist))
+    layers = [synthetic_layer(batch, heads, d, n_hist) for _ in range(n_sets)]
+    queries = [torch.randn(batch, hq, 1, d, dtype=torch.bfloat16, device=DEVICE) for _ in range(n_sets)]
+    times = []
+    for config in configs:
+        calls = [lambda q=q, layer=layer: decode(q, layer, None, None, config) for q, layer in zip(queries, layers)]
+        times.append((graph_time(calls), eager_time(calls[0])))
+    return times, queries
+
+
+def sdpa_time(queries, batch: int, heads: int, context: int, d: int) -> float:
+    """bf16 SDPA decode over a dense cache of ``context`` tokens, query heads packed per KV head (as pack_gqa)."""
+    n_sets = rotations(2 * batch * heads * context * d * 2)
+    sets = [torch.randn(2, batch, heads, context, d, dtype=torch.bfloat16, device=DEVICE) for _ in range(n_sets)]
+    packed = [q.view(batch, heads, -1, d) for q in queries]
+    calls = [lambda kv=kv, q=packed[i % len(packed)]: torch.nn.functional.scaled_dot_product_attention(q, kv[0], kv[1])
+             for i, kv in enumerate(sets)]
+    return graph_time(calls)
+
+
+def bench_decode(shape: str, batch: int, context: int, copy_gbps: float, fast_ok: bool) -> list[dict]:
+    hq, heads, d = SHAPES[shape]
+    n_hist = context - SINK - RECENT
+    size, sdpa_size = packed_bytes(batch, hq, heads, d, n_hist), 2 * batch * heads * context * d * 2
+    if not fits(max(rotations(size) * size, rotations(sdpa_size) * sdpa_size) + (1 << 30)):
+        print(f"{shape:16s} B={batch:<3d} T={context:<7d} skipped: does not fit in GPU memory")
+        return []
+    configs = sweep_configs(batch, d, fast_ok)
+    times, queries = time_configs(batch, hq, heads, d, n_hist, configs)
+    sdpa_ms = sdpa_time(queries, batch, heads, context, d)
+    rows = []
+    for c, (kernel_ms, eager_ms) in zip(configs, times):
+        gbps = size / (kernel_ms * 1e-3) / 1e9
+        rows.append({"shape": shape, "hq": hq, "hkv": heads, "d": d, "batch": batch, "T": context, "n_hist": n_hist,
+                     "block_n": c.block_n, "warps": c.num_warps, "stages": c.num_stages, "pps": c.programs_per_sm,
+                     "fast_unpack": c.fast_unpack, "kernel_ms": kernel_ms, "eager_ms": eager_ms, "GBps": gbps,
+                     "frac_copy_bw": gbps / copy_gbps, "sdpa_ms": sdpa_ms,
+                     "sdpa_GBps": sdpa_size / (sdpa_ms * 1e-3) / 1e9, "speedup_vs_sdpa": sdpa_ms / kernel_ms,
+                     "rotations": rotations(size)})
+    best = min(rows, key=lambda r: r["kernel_ms"])
+    print(f"{shape:16s} B={batch:<3d} T={context:<7d} {best['kernel_ms']:8.4f} ms {best['GBps']:7.0f} GB/s "
+          f"{100 * best['frac_copy_bw']:5.1f}% copy  sdpa {sdpa_ms:8.4f} ms  x{best['speedup_vs_sdpa']:5.2f}  "
+          f"eager {best['eager_ms']:.4f} ms  [{best['block_n']}/{best['warps']}w/{best['stages']}s/"
+          f"pps{best['pps']}/{'ptx' if best['fast_unpack'] else 'plain'}]")
+    return rows
+
+
+def bench_write(tokens: int) -> dict:
+    hq, heads, d = SHAPES["qwen3-8b"]
+    k, v = (torch.randn(1, heads, tokens, d, device=DEVICE).to(torch.bfloat16) for _ in range(2))
+    kernel_ms = eager_time(lambda: quantize_pack_kv(k, v, k_clip=0.96, v_clip=0.92))
+    torch_ms = eager_time(lambda: (quantize(k, clip=0.96), quantize(v, clip=0.92)))
+    q = torch.randn(1, hq, tokens, d, device=DEVICE).to(torch.bfloat16)
+    kr, vr = (t.repeat_interleave(hq // heads, dim=1) for t in (k, v))
+    prefill_ms = eager_time(lambda: torch.nn.functional.scaled_dot_product_attention(q, kr, vr, is_causal=True))
+    print(f"write kernel, {tokens} tokens x {heads} KV heads x D{d} (K and V): {kernel_ms:.3f} ms "
+          f"(torch quantizer {torch_ms:.3f} ms); bf16 SDPA prefill of one layer {prefill_ms:.3f} ms -> "
+          f"{100 * kernel_ms / prefill_ms:.2f}% overhead (target <= 5%)")
+    return {"tokens": tokens, "write_ms": kernel_ms, "torch_write_ms": torch_ms, "sdpa_prefill_ms": prefill_ms,
+            "overhead": kernel_ms / prefill_ms}
+
+
+def environment() -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    gpu = "cpu-interpreter" if ARGS.smoke else torch.cuda.get_device_name(0)
+    return {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
+            "transformers": transformers.__version__, "commit": commit}
+
+
+def main():
+    if not ARGS.smoke and not torch.cuda.is_available():
+        sys.exit("bench_decode.py needs a CUDA GPU (or --smoke for a CPU interpreter run)")
+    env = environment()
+    print(" ".join(f"{k}={v}" for k, v in env.items()))
+    torch.manual_seed(0)
+    check_write()
+    fast_ok = check_decode(fast_unpack=True)
+    if not fast_ok and not check_decode(fast_unpack=False):
+        sys.exit("ABORT: the decode kernel does not match naive.attend")
+    print("decode kernel: matches naive.attend" if fast_ok else "WARNING: the inline-PTX unpacking is WRONG on this "
+          "GPU; timing the plain path. Set DecodeConfig.fast_unpack's default to False in triton_decode.py.")
+    copy_gbps = copy_bandwidth()
+    print(f"device copy bandwidth: {copy_gbps:.0f} GB/s (read + write)")
+    if ARGS.smoke:
+        SHAPES["smoke-4q1kv"] = (4, 1, 128)
+        grid = [("smoke-4q1kv", 1, 400)]
+    elif ARGS.quick:
+        grid = [("qwen3-8b", b, t) for b in (1, 8) for t in (32768, 131072)] + [("llama3.2-1b-d64", 8, 32768)]
+    else:
+        grid = [(s, b, t) for s in SHAPES for b in (1, 8, 32) for t in (4096, 16384, 32768, 131072)]
+    rows = []
+    for shape, batch, context in grid:
+        rows += [{**env, **row} for row in bench_decode(shape, batch, context, copy_gbps, fast_ok)]
+        if not ARGS.smoke:
+            torch.cuda.empty_cache()
+    write = bench_write(16 if ARGS.smoke else 32768)
+    out = Path(ARGS.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"bench_decode_{re.sub(r'[^A-Za-z0-9]+', '-', env['gpu']).strip('-').lower()}.csv"
+    rows = [{**row, "copy_GBps": copy_gbps, **{f"write_{k}": v for k, v in write.items()}} for row in rows]
+    with open(path, "w", newline="") as f:  # the copy bandwidth and the write-kernel results repeat on every row
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else [])
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
