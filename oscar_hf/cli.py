@@ -75,7 +75,7 @@ def cmd_calibrate(args) -> None:
         batch_size=args.batch_size,
         **settings,
     )
-    rotations.source_model = args.model
+    rotations.source_model = "HuggingFaceTB/SmolLM2-135M-Instruct" if args.model == "smollm2" else args.model
     rotations.calibration["data"] = args.data
     from .calibrate import _state
 

@@ -37,7 +37,8 @@ class OscarConfig:
         scale_dtype: dtype of the stored scale and zero: "float16" (2.25 bits per element at
             group 128), "bfloat16" or "float32".
         quantizer: "uniform" (asymmetric min-max) or "lloyd-max" (Gaussian levels, 2 bits only).
-        backend: "auto" (triton on CUDA, torch elsewhere), "torch" or "triton".
+        backend: "auto" (currently torch everywhere), "torch" (dequantize + SDPA) or "triton" (fused INT2
+            kernels, experimental).
     """
 
     bits: int = 2

@@ -74,7 +74,9 @@ def quantize(
     xg = clip_rows(x.float(), clip).unflatten(-1, (d // group, group))
     if method == "uniform":
         zero = _round_to(xg.amin(-1), scale_dtype, -math.inf)
-        step = (xg.amax(-1) - zero.float()) / levels
+        top = xg.amax(-1)
+        # a tensor divisor: CUDA turns division by a Python scalar into a multiply by its reciprocal
+        step = (top - zero.float()) / torch.full_like(top, levels)
         scale = _round_to(step.clamp_min(torch.finfo(scale_dtype).tiny), scale_dtype, math.inf)
     elif method == "lloyd-max":
         if bits != 2:

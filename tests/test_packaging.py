@@ -1,7 +1,8 @@
 """Packaging: every subpackage ships, and the README's first two commands stay what CI runs."""
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -40,15 +40,17 @@ else:
 
 
 def _resolve(name: str, device: torch.device, registry: dict) -> str:
+    # "auto" stays on torch until the Triton decode kernel compiles in every generate configuration: one bf16
+    # generate test (tests/test_kernels.py) still fails to compile on an H100 with triton 3.6.
     if name == "auto":
-        return "triton" if device.type == "cuda" and "triton" in registry else "torch"
+        return "torch"
     if name not in registry:
         raise ValueError(f"backend {name!r} is not available; available: {sorted(registry)}")
     return name
 
 
 def attention_backend(name: str, device: torch.device):
-    """The attention function for OscarConfig.backend ``name`` on ``device`` ("auto" picks the fastest available)."""
+    """The attention function for OscarConfig.backend ``name`` on ``device`` ("auto": torch, for now)."""
     return ATTENTION_BACKENDS[_resolve(name, device, ATTENTION_BACKENDS)]
 
 
