@@ -236,3 +236,14 @@ def test_from_pretrained_checks_the_bundle_against_the_model(tmp_path):
         OscarQuantizedCache.from_pretrained(tmp_path / "llama", model=model)
     hadamard = OscarRotations.hadamard(model.config)
     torch.testing.assert_close(hadamard.key_rotation[0], hadamard_matrix(128).float())
+
+
+def test_triton_backend_is_refused_unless_unlocked(monkeypatch):
+    pytest.importorskip("triton")
+    model = make_model("llama-mha-d64")
+    monkeypatch.delenv(cache_module.EXPERIMENTAL_TRITON, raising=False)
+    with pytest.raises(NotImplementedError, match="experimental"):
+        OscarQuantizedCache.from_pretrained(OscarRotations.identity(model.config), model=model, backend="triton")
+    monkeypatch.setenv(cache_module.EXPERIMENTAL_TRITON, "1")
+    cache = OscarQuantizedCache.from_pretrained(OscarRotations.identity(model.config), model=model, backend="triton")
+    assert cache.config.backend == "triton"

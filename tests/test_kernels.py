@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+os.environ["OSCAR_HF_EXPERIMENTAL_TRITON"] = "1"  # the cache refuses backend="triton" without it
 DEVICE = "cuda" if torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET") else "cpu"
 if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
@@ -215,8 +216,10 @@ def test_attend_dispatches_everything_else_to_naive():
 
 
 # ----------------------------------------------------------------------------------------------- generate
-@pytest.mark.xfail(DEVICE == "cuda", reason="fails to compile on an H100 with triton 3.6 (pointer<int64> vs int32 at "
-                   "`split < hist_splits`); the same generate outside pytest runs; backend 'auto' stays on torch")
+@pytest.mark.xfail(DEVICE == "cuda", reason="on an H100 (triton 3.6) the decode kernel's logits differ from the torch "
+                   "path by up to 0.5 after the first flush (GQA 2, sink 4, recent 8; the triton writer is exact); "
+                   "passes under the interpreter. Until fixed, the cache refuses backend='triton' without "
+                   "OSCAR_HF_EXPERIMENTAL_TRITON=1")
 def test_generate_triton_equals_torch_with_int2_history():
     """Tiny bf16 model, sink 4 + recent 8, a left-padded row: the prompt and the flushes go through both triton
     kernels. Same tokens (this prompt's top-2 logit gaps stay above the backends' 1-ulp logit differences)."""
