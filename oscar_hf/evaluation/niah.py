@@ -15,6 +15,7 @@ QUESTION = "What is the special magic number mentioned in the text above? Answer
 def needle_prompt(tokenizer, text: str, length: int, depth: float, number: int) -> torch.Tensor:
     """Chat-formatted input ids of about ``length`` tokens: ``text`` with the needle at ``depth`` (0..1)."""
     overhead = len(tokenizer(NEEDLE.format(number=number) + "\n\n" + QUESTION)["input_ids"]) + 16
+    text = text[: 16 * length]  # plenty of characters for ``length`` tokens, without tokenizing a whole corpus
     haystack = tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"][: max(length - overhead, 1)])
     cut = int(len(haystack) * depth)
     sentence_end = haystack.rfind(". ", 0, cut)
