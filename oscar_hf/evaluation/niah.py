@@ -52,7 +52,7 @@ def evaluate_niah(
                     input_ids=ids,
                     attention_mask=torch.ones_like(ids),
                     past_key_values=cache,
-                    max_new_tokens=12,
+                    max_new_tokens=32,
                     do_sample=False,
                     pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
                 )
