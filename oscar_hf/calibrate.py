@@ -241,8 +241,8 @@ def calibrate(
     compose_rotation(torch.eye(2, dtype=torch.float64), torch.ones(2), composition)  # validates the letters
     shape = check_model_supported(model)
     config = config or OscarConfig()
-    all_chunks = token_chunks(tokenizer, texts, num_tokens + diagnostic_tokens, max_length)
-    chunks = token_chunks(None, [torch.cat(all_chunks)[:num_tokens]], num_tokens, max_length)
+    ids = torch.cat(token_chunks(tokenizer, texts, num_tokens + diagnostic_tokens, max_length))
+    chunks, held_out = list(ids[:num_tokens].split(max_length)), ids[num_tokens:]
     used = sum(c.numel() for c in chunks)
 
     device = _state().device if _state().num_processes > 1 else model.device
@@ -296,7 +296,6 @@ def calibrate(
         },
         config=config,
     )
-    held_out = all_chunks and torch.cat(all_chunks)[num_tokens:]
     if diagnostic_tokens and len(held_out):
         rotations.diagnostics = diagnose(model, rotations, list(held_out.split(min(max_length, 1024))), config)
     return rotations

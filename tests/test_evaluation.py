@@ -10,7 +10,7 @@ from conftest import make_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from oscar_hf import OscarQuantizedCache, OscarRotations
+from oscar_hf import OscarRotations
 from oscar_hf.cli import main
 from oscar_hf.evaluation import METHODS, make_cache
 from oscar_hf.evaluation.gsm8k import evaluate_gsm8k, extract_answer, load_gsm8k
@@ -184,5 +184,5 @@ def test_cli_eval_end_to_end(tmp_path, capsys):
     )
     table = capsys.readouterr().out
     assert "oscar-lloyd-max" in table and "kl_to_bf16" in table
-    assert (tmp_path / "out" / "results.csv").is_file()
-    assert isinstance(OscarQuantizedCache, type)
+    with open(tmp_path / "out" / "results.csv") as f:
+        assert {"bf16", "oscar", "oscar-lloyd-max"} <= {row["method"] for row in csv.DictReader(f)}

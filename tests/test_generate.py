@@ -3,6 +3,7 @@
 import pytest
 import torch
 from conftest import VOCAB, make_model
+from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 from oscar_hf import OscarQuantizedCache, OscarRotations
@@ -36,10 +37,15 @@ def repetitive_prompt() -> dict:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-def run(model, inputs, cache=None, seed=0, **kwargs):
+def generate(model, inputs, cache=None, seed=0, **kwargs):
     torch.manual_seed(seed)
     extra = {"past_key_values": cache} if cache is not None else {}
-    out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, pad_token_id=0, **extra, **kwargs)
+    return model.generate(**inputs, max_new_tokens=NEW_TOKENS, pad_token_id=0, **extra, **kwargs)
+
+
+def run(model, inputs, cache=None, seed=0, **kwargs) -> torch.Tensor:
+    """Generated sequences (whatever the output type)."""
+    out = generate(model, inputs, cache, seed, **kwargs)
     return out.sequences if hasattr(out, "sequences") else out
 
 
@@ -109,9 +115,6 @@ def test_repeated_generate_calls_with_fresh_caches(arch):
 def test_cache_reuse_across_generate_calls():
     model = make_model("llama-mha-d64")
     first = prompt(length=9)
-    reference_cache = None
-    from transformers import DynamicCache
-
     reference_cache = DynamicCache(config=model.config)
     ours = full_precision_cache(model)
     out_ref = run(model, first, cache=reference_cache)
@@ -137,24 +140,10 @@ def test_rotation_invariance(arch):
     """With nothing quantized, a random orthogonal R_K and R_V leave logits and tokens unchanged."""
     model = make_model(arch)
     inputs = prompt(2, left_pad=(0, 3))
-    expected = model.generate(
-        **inputs,
-        max_new_tokens=NEW_TOKENS,
-        pad_token_id=0,
-        do_sample=False,
-        return_dict_in_generate=True,
-        output_scores=True,
-    )
+    greedy_with_scores = dict(do_sample=False, return_dict_in_generate=True, output_scores=True)
+    expected = generate(model, inputs, **greedy_with_scores)
     cache = full_precision_cache(model, random_orthogonal_rotations(model))
-    got = model.generate(
-        **inputs,
-        max_new_tokens=NEW_TOKENS,
-        pad_token_id=0,
-        do_sample=False,
-        past_key_values=cache,
-        return_dict_in_generate=True,
-        output_scores=True,
-    )
+    got = generate(model, inputs, cache=cache, **greedy_with_scores)
     torch.testing.assert_close(got.sequences, expected.sequences, rtol=0, atol=0)
     for a, b in zip(got.scores, expected.scores):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .methods import make_cache
+from .methods import make_cache, stored_bits
 
 INSTRUCTION = "Solve this math problem step by step. End your reply with 'The answer is N.'\n\n"
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -73,7 +73,7 @@ def evaluate_gsm8k(
                 **enc, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad
             )
             longest = max(longest, out.shape[1])
-            bits = getattr(cache, "bits_per_element", None) or 8.0 * next(model.parameters()).element_size()
+            bits = stored_bits(cache, model)
             for item, seq in zip(batch, out[:, enc["input_ids"].shape[1] :]):
                 correct += same_number(extract_answer(tokenizer.decode(seq, skip_special_tokens=True)), item["answer"])
         rows.append(

@@ -60,6 +60,12 @@ METHODS: dict[str, Method] = {
 }
 
 
+def stored_bits(cache, model) -> float:
+    """Bits per stored K/V element: the OSCAR cache's own count, else the model dtype's width (default cache)."""
+    bits = getattr(cache, "bits_per_element", None)
+    return bits if bits else 8.0 * next(model.parameters()).element_size()
+
+
 def make_cache(method: str | Method, model, calibrated: OscarRotations | None = None, **overrides):
     """A fresh cache for ``method``: a DynamicCache for "bf16", else an OscarQuantizedCache."""
     method = METHODS[method] if isinstance(method, str) else method

@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from .methods import make_cache
+from .methods import make_cache, stored_bits
 
 NEEDLE = "The special magic number is {number}."
 QUESTION = "What is the special magic number mentioned in the text above? Answer with the number only."
@@ -58,7 +58,7 @@ def evaluate_niah(
                 )
                 answer = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
                 found = float(str(number) in answer.replace(",", ""))
-                bits = getattr(cache, "bits_per_element", None) or 8.0 * next(model.parameters()).element_size()
+                bits = stored_bits(cache, model)
                 rows.append(
                     dict(
                         method=name,

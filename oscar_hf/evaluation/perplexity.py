@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .methods import METHODS, make_cache
+from .methods import METHODS, make_cache, stored_bits
 
 
 def text_segments(tokenizer, text: str, count: int, length: int, start_fraction: float = 1 / 3) -> torch.Tensor:
@@ -56,9 +56,7 @@ def evaluate_perplexity(
             cache = make_cache(name, model, calibrated)
             logprobs = teacher_forced_logprobs(model, cache, segments, context)
             nll = -logprobs.gather(-1, targets[..., None]).mean()
-            bits = getattr(cache, "bits_per_element", None)
-            if bits is None:
-                bits = 8.0 * next(model.parameters()).element_size()
+            bits = stored_bits(cache, model)
             if reference is None:
                 reference = logprobs
             metrics = {
