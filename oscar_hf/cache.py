@@ -15,8 +15,6 @@ storage through them. Sliding-window layers keep transformers' own bf16 layer.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
@@ -27,7 +25,6 @@ from .quantizer import QuantizedRows, dequantize
 from .rotations import OscarRotations
 
 ATTN_IMPLEMENTATION = "oscar"
-EXPERIMENTAL_TRITON = "OSCAR_HF_EXPERIMENTAL_TRITON"  # env var that unlocks backend="triton" in the cache
 HISTORY_GROWTH = 1024  # tokens; the history grows by at least this much, or by an eighth of itself
 
 
@@ -312,17 +309,8 @@ class OscarQuantizedCache(Cache):
         config = config or rotations.config or OscarConfig()
         if config_overrides:
             config = config.replace(**config_overrides)
-        if config.backend == "triton":
-            if "triton" not in WRITE_BACKENDS:
-                raise ImportError(
-                    "OscarConfig.backend='triton' needs the triton package (pip install oscar-hf[triton])"
-                )
-            if os.environ.get(EXPERIMENTAL_TRITON) != "1":
-                raise NotImplementedError(
-                    "OscarConfig.backend='triton' is experimental: the decode kernel disagrees with the torch path "
-                    "in some generate configurations on GPU. Use backend='torch' (or 'auto'), or set "
-                    f"{EXPERIMENTAL_TRITON}=1 to try it anyway."
-                )
+        if config.backend == "triton" and "triton" not in WRITE_BACKENDS:
+            raise ImportError("OscarConfig.backend='triton' needs the triton package (pip install oscar-hf[triton])")
         shape = ModelShape.from_config(model_config)
         config.resolved_group_size(shape.head_dim)
         layers = []

@@ -37,8 +37,9 @@ class OscarConfig:
         scale_dtype: dtype of the stored scale and zero: "float16" (2.25 bits per element at
             group 128), "bfloat16" or "float32".
         quantizer: "uniform" (asymmetric min-max) or "lloyd-max" (Gaussian levels, 2 bits only).
-        backend: "auto" (currently torch everywhere), "torch" (dequantize + SDPA) or "triton" (fused INT2
-            kernels, experimental).
+        backend: "auto" (triton on CUDA when triton is installed, else torch), "torch" (dequantize + SDPA,
+            the reference) or "triton" (fused INT2 write and decode kernels; calls they do not cover, such as
+            fp32 models or queries of several tokens, fall back to the torch path).
     """
 
     bits: int = 2

@@ -238,12 +238,13 @@ def test_from_pretrained_checks_the_bundle_against_the_model(tmp_path):
     torch.testing.assert_close(hadamard.key_rotation[0], hadamard_matrix(128).float())
 
 
-def test_triton_backend_is_refused_unless_unlocked(monkeypatch):
+def test_backend_auto_is_triton_on_cuda_and_torch_on_cpu():
     pytest.importorskip("triton")
-    model = make_model("llama-mha-d64")
-    monkeypatch.delenv(cache_module.EXPERIMENTAL_TRITON, raising=False)
-    with pytest.raises(NotImplementedError, match="experimental"):
-        OscarQuantizedCache.from_pretrained(OscarRotations.identity(model.config), model=model, backend="triton")
-    monkeypatch.setenv(cache_module.EXPERIMENTAL_TRITON, "1")
-    cache = OscarQuantizedCache.from_pretrained(OscarRotations.identity(model.config), model=model, backend="triton")
-    assert cache.config.backend == "triton"
+    from oscar_hf.kernels import ATTENTION_BACKENDS, WRITE_BACKENDS, attention_backend, write_backend
+
+    assert attention_backend("auto", torch.device("cpu")) is ATTENTION_BACKENDS["torch"]
+    assert write_backend("auto", torch.device("cpu")) is WRITE_BACKENDS["torch"]
+    assert attention_backend("auto", torch.device("cuda")) is ATTENTION_BACKENDS["triton"]
+    assert write_backend("auto", torch.device("cuda")) is WRITE_BACKENDS["triton"]
+    with pytest.raises(ValueError, match="'cutlass' is not available"):
+        attention_backend("cutlass", torch.device("cpu"))

@@ -1,7 +1,5 @@
 """The same guarantees on a CUDA device (skipped without one): generate equivalence, both backends."""
 
-import os
-
 import pytest
 import torch
 from conftest import make_model
@@ -10,7 +8,6 @@ from test_generate import MODES, run
 from oscar_hf import OscarQuantizedCache, OscarRotations
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-os.environ["OSCAR_HF_EXPERIMENTAL_TRITON"] = "1"
 
 
 def cuda_model(arch, dtype=torch.bfloat16, **overrides):

@@ -40,17 +40,15 @@ else:
 
 
 def _resolve(name: str, device: torch.device, registry: dict) -> str:
-    # "auto" stays on torch until the Triton decode kernel compiles in every generate configuration: one bf16
-    # generate test (tests/test_kernels.py) still fails to compile on an H100 with triton 3.6.
     if name == "auto":
-        return "torch"
+        return "triton" if device.type == "cuda" and "triton" in registry else "torch"
     if name not in registry:
         raise ValueError(f"backend {name!r} is not available; available: {sorted(registry)}")
     return name
 
 
 def attention_backend(name: str, device: torch.device):
-    """The attention function for OscarConfig.backend ``name`` on ``device`` ("auto": torch, for now)."""
+    """The attention function for OscarConfig.backend ``name`` on ``device`` ("auto": triton on CUDA, else torch)."""
     return ATTENTION_BACKENDS[_resolve(name, device, ATTENTION_BACKENDS)]
 
 
