@@ -58,7 +58,7 @@ from oscar_hf import OscarConfig, OscarLayer  # noqa: E402
 from oscar_hf.kernels import naive  # noqa: E402
 from oscar_hf.kernels.triton_decode import DecodeConfig, decode, default_config  # noqa: E402
 from oscar_hf.kernels.triton_write import quantize_pack_kv  # noqa: E402
-from oscar_hf.quantizer import QuantizedRows, dequantize, quantize  # noqa: E402
+from oscar_hf.quantizer import quantize  # noqa: E402
 
 DEVICE = "cpu" if ARGS.smoke else "cuda"
 
@@ -99,12 +99,7 @@ def check_decode(fast_unpack: bool) -> bool:
         config = replace(default_config(2, d), fast_unpack=fast_unpack)
         got = decode(query, layer, mask, None, config).float()
         want = naive.attend(Attn(groups), query, key, value, mask, None).float()
-        parts = {}
-        for side in ("key", "value"):
-            h = layer.history.read(layer.n_history)
-            hist = dequantize(QuantizedRows(h[f"{side}_codes"], h[f"{side}_scale"], h[f"{side}_zero"]), 2)
-            parts[side] = torch.cat([layer.sink[side][:, :, : layer.n_sink].float(), hist,
-                                     layer.recent[side][:, :, : layer.n_recent].float()], dim=2)
+        parts = {side: layer.materialize(side, dtype=torch.float32) for side in ("key", "value")}
         exact = torch.nn.functional.scaled_dot_product_attention(
             query.float().view(2, 2, groups, d), parts["key"], parts["value"], attn_mask=mask[:, :, 0, None, :]
         ).reshape(2, 1, 2 * groups, d)
@@ -119,7 +114,8 @@ def check_decode(fast_unpack: bool) -> bool:
 
 # ------------------------------------------------------------------------------------------- synthetic data
 def synthetic_layer(batch: int, heads: int, d: int, n_hist: int, dtype=torch.bfloat16) -> OscarLayer:
-    """An OscarLayer holding SINK + n_hist + RECENT tokens of random data (codes need no quantization to time)."""
+    """An OscarLayer holding SINK + n_hist + RECENT tokens of random data (codes need no quantization to time),
+    centered (the default config)."""
     config = OscarConfig(sink_tokens=SINK, recent_tokens=RECENT, backend="triton")
     layer = OscarLayer(config, torch.eye(d), torch.eye(d))
     x = torch.zeros(batch, heads, 1, d, dtype=dtype, device=DEVICE)
@@ -136,6 +132,7 @@ def synthetic_layer(batch: int, heads: int, d: int, n_hist: int, dtype=torch.bfl
     layer.recent.tensors = {"key": window(RECENT), "value": window(RECENT)}
     layer.history.tensors = {"key_codes": codes[0], "key_scale": meta(0.02, 0.05), "key_zero": meta(-0.1, -0.05),
                              "value_codes": codes[1], "value_scale": meta(0.5, 1.0), "value_zero": meta(-1.5, -1.0)}
+    layer.center.tensors = {side: torch.randn(batch, heads, 1, d, device=DEVICE) for side in ("key", "value")}
     layer.n_sink, layer.n_history, layer.n_recent = SINK, n_hist, RECENT
     return layer
 

@@ -18,6 +18,7 @@ from .kernels import attention_backend
 UNSUPPORTED_KWARGS = {"softcap": "attention logit soft-capping", "s_aux": "learned attention sinks"}
 
 
+@torch.compiler.disable  # the kernels take per-step lengths: a graph break inside a compiled forward
 def oscar_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,

@@ -3,8 +3,12 @@
 Per full-attention layer and KV head the cached sequence is ``sink ‖ history ‖ recent``:
 
 * ``sink``    model dtype ``[B, H, ≤ sink_tokens, D]``: the first tokens;
-* ``history`` packed codes uint8 ``[B, H, N, D·bits/8]`` with scale and zero ``[B, H, N, D/group]``;
-* ``recent``  model dtype ``[B, H, ≤ recent_tokens + flush_tokens - 1, D]``: the newest tokens.
+* ``history`` packed codes uint8 ``[B, H, N, D·bits/8]`` with scale and zero ``[B, H, N, D/group]``; with
+  ``OscarConfig.key_quantization="per-channel"`` K's scale and zero are ``[B, H, N/G, D]`` instead (one per channel
+  and group of ``G = flush_tokens`` tokens), and every demotion moves whole groups;
+* ``recent``  model dtype ``[B, H, ≤ recent_tokens + flush_tokens - 1, D]``: the newest tokens;
+* ``center``  fp32 ``[B, H, 1, D]`` per side with ``OscarConfig.centering`` (empty until the first demotion):
+  the history stores ``x - center`` and reads back ``x̂ + center``.
 
 Window buffers grow up to those sizes; the history grows in chunks of at least HISTORY_GROWTH tokens.
 
@@ -15,17 +19,20 @@ storage through them. Sliding-window layers keep transformers' own bf16 layer.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from .config import OscarConfig
-from .kernels import WRITE_BACKENDS, write_backend
+from .kernels import WRITE_BACKENDS, quantize_kv, write_backend
 from .model_support import ModelShape, check_model_supported
-from .quantizer import QuantizedRows, dequantize
+from .quantizer import QuantizedRows, dequantize, dequantize_per_channel
 from .rotations import OscarRotations
 
 ATTN_IMPLEMENTATION = "oscar"
 HISTORY_GROWTH = 1024  # tokens; the history grows by at least this much, or by an eighth of itself
+DEQUANTIZERS = {"per-token": dequantize, "per-channel": dequantize_per_channel}  # by OscarConfig.key_quantization
 
 
 class OscarKV:
@@ -64,36 +71,50 @@ class OscarKV:
 
 
 class _Segment:
-    """Preallocated rows of one K or V side, along dim 2 of ``[B, H, capacity, ...]`` tensors."""
+    """Preallocated rows of one K or V side, along dim 2 of ``[B, H, rows, ...]`` tensors.
 
-    def __init__(self, tensors: dict[str, torch.Tensor]):
+    Positions and capacities are in tokens. A tensor named in ``tokens_per_row`` has one row per that many tokens
+    (per-channel K scales and zeros: one per token group); writes to it start at a multiple of that width.
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor], tokens_per_row: dict[str, int] | None = None):
         self.tensors = tensors
+        self.tokens_per_row = tokens_per_row or {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
 
+    def _width(self, name: str) -> int:
+        return self.tokens_per_row.get(name, 1)
+
+    def _rows(self, name: str, tokens: int) -> int:
+        """Rows of tensor ``name`` that the first ``tokens`` tokens touch."""
+        return -(-tokens // self._width(name))
+
     @property
     def capacity(self) -> int:
-        return next(iter(self.tensors.values())).shape[2]
+        return min(t.shape[2] * self._width(name) for name, t in self.tensors.items())
 
     def write(self, start: int, values: dict[str, torch.Tensor]) -> None:
         for name, value in values.items():
-            self.tensors[name][:, :, start : start + value.shape[2]] = value
+            row = start // self._width(name)
+            self.tensors[name][:, :, row : row + value.shape[2]] = value
 
     def read(self, stop: int, start: int = 0) -> dict[str, torch.Tensor]:
-        return {name: t[:, :, start:stop] for name, t in self.tensors.items()}
+        return {name: t[:, :, start // self._width(name) : self._rows(name, stop)] for name, t in self.tensors.items()}
 
     def grow(self, used: int, capacity: int) -> None:
         for name, old in self.tensors.items():
-            new = old.new_empty(*old.shape[:2], capacity, *old.shape[3:])
-            new[:, :, :used] = old[:, :, :used]
+            new = old.new_empty(*old.shape[:2], self._rows(name, capacity), *old.shape[3:])
+            rows = self._rows(name, used)
+            new[:, :, :rows] = old[:, :, :rows]
             self.tensors[name] = new
 
     def map(self, fn) -> None:
         self.tensors = {name: fn(t) for name, t in self.tensors.items()}
 
     def used_bytes(self, used: int) -> int:
-        return sum(t[:, :, :used].numel() * t.element_size() for t in self.tensors.values())
+        return sum(t[:, :, : self._rows(name, used)].numel() * t.element_size() for name, t in self.tensors.items())
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
@@ -113,23 +134,41 @@ class OscarLayer(CacheLayerMixin):
     # Demotions into the quantized history are not undone by ``crop``, so a rollback can leave a trace.
     is_croppable = False
 
-    def __init__(self, config: OscarConfig, key_rotation: torch.Tensor, value_rotation: torch.Tensor):
+    def __init__(
+        self,
+        config: OscarConfig,
+        key_rotation: torch.Tensor,
+        value_rotation: torch.Tensor,
+        max_cache_len: int | None = None,
+    ):
         super().__init__()
         self.config = config
         self.key_rotation = key_rotation
         self.value_rotation = value_rotation
+        self.max_cache_len = max_cache_len
+        # static buffers and a fixed mask size: generate may compile the model around the cache (see the class doc)
+        self.is_compileable = max_cache_len is not None
         self.n_sink = self.n_history = self.n_recent = 0
 
     @property
     def length(self) -> int:
         return self.n_sink + self.n_history + self.n_recent
 
+    @property
+    def recent_limit(self) -> int:
+        """Most tokens the recent window holds: ``recent_tokens + flush_tokens - 1``."""
+        return self.config.recent_tokens + self.config.flush_tokens - 1
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, dim = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
         cfg = self.config
         self.group_size = cfg.resolved_group_size(dim)
-        self.writer = write_backend(cfg.backend, self.device)
+        self.writer = (
+            partial(quantize_kv, key_token_group=cfg.flush_tokens)  # the Triton write kernel is per token
+            if cfg.key_quantization == "per-channel"
+            else write_backend(cfg.backend, self.device)
+        )
         self.key_rotation = self.key_rotation.to(self.device, torch.float32)
         self.value_rotation = self.value_rotation.to(self.device, torch.float32)
 
@@ -139,15 +178,25 @@ class OscarLayer(CacheLayerMixin):
         self.sink = _Segment({"key": empty(dim, dtype=self.dtype), "value": empty(dim, dtype=self.dtype)})
         self.recent = _Segment({"key": empty(dim, dtype=self.dtype), "value": empty(dim, dtype=self.dtype)})
         codes, groups, scale_dtype = dim * cfg.bits // 8, dim // self.group_size, cfg.torch_scale_dtype
+        self.center = _Segment({"key": empty(dim, dtype=torch.float32), "value": empty(dim, dtype=torch.float32)})
+        # per side: (scale and zero columns, tokens per scale row)
+        layouts = {"per-token": (groups, 1), "per-channel": (dim, cfg.flush_tokens)}
+        meta = {"key": layouts[cfg.key_quantization], "value": layouts["per-token"]}
         self.history = _Segment(
             {
                 f"{side}_{part}": empty(codes, dtype=torch.uint8)
                 if part == "codes"
-                else empty(groups, dtype=scale_dtype)
+                else empty(meta[side][0], dtype=scale_dtype)
                 for side in ("key", "value")
                 for part in ("codes", "scale", "zero")
-            }
+            },
+            tokens_per_row={f"{side}_{part}": meta[side][1] for side in meta for part in ("scale", "zero")},
         )
+        if self.max_cache_len is not None:  # every buffer at its final size now: no growth during generation
+            limit = cfg.recent_tokens + cfg.flush_tokens - 1
+            _reserve(self.sink, 0, min(cfg.sink_tokens, self.max_cache_len), cfg.sink_tokens)
+            _reserve(self.recent, 0, min(limit, self.max_cache_len), limit)
+            self.history.grow(0, max(0, self.max_cache_len - cfg.sink_tokens - cfg.recent_tokens))
         self.is_initialized = True
 
     # -------------------------------------------------------------------------------- writes
@@ -158,6 +207,11 @@ class OscarLayer(CacheLayerMixin):
         """Rotate and store new K/V ``[B, H, n, D]``; return handles for the attention function."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.max_cache_len is not None and self.length + key_states.shape[2] > self.max_cache_len:
+            raise ValueError(
+                f"OscarQuantizedCache(max_cache_len={self.max_cache_len}) cannot take {key_states.shape[2]} more "
+                f"tokens after {self.length}: build it with a larger max_cache_len (prompt + max_new_tokens)"
+            )
         new = {
             "key": self._rotate(key_states, self.key_rotation),
             "value": self._rotate(value_states, self.value_rotation),
@@ -174,23 +228,32 @@ class OscarLayer(CacheLayerMixin):
             self.sink.write(self.n_sink, {s: t[:, :, :to_sink] for s, t in new.items()})
             self.n_sink += to_sink
         rest = {s: t[:, :, to_sink:] for s, t in new.items()}
-        resident, limit = self.n_recent + (n - to_sink), cfg.recent_tokens + cfg.flush_tokens - 1
+        resident, limit = self.n_recent + (n - to_sink), self.recent_limit
         if resident <= limit:
             _reserve(self.recent, self.n_recent, resident, limit)
             self.recent.write(self.n_recent, rest)
             self.n_recent = resident
             return
-        # Too many tokens for the window: the oldest ones, down to recent_tokens, go to the history.
+        # Too many tokens for the window: the oldest ones, down to recent_tokens (rounded down to whole demotion
+        # units: token groups with per-channel K), go to the history.
         window = {s: torch.cat([self.recent[s][:, :, : self.n_recent], t], dim=2) for s, t in rest.items()}
-        demoted = resident - cfg.recent_tokens
+        demoted = (resident - cfg.recent_tokens) // cfg.demotion_unit * cfg.demotion_unit
         self._quantize_into_history({s: t[:, :, :demoted] for s, t in window.items()})
-        _reserve(self.recent, 0, cfg.recent_tokens, limit)
+        self.n_recent = resident - demoted
+        _reserve(self.recent, 0, self.n_recent, limit)
         self.recent.write(0, {s: t[:, :, demoted:] for s, t in window.items()})
-        self.n_recent = cfg.recent_tokens
+
+    @property
+    def is_centered(self) -> bool:
+        return self.center.capacity > 0
 
     def _quantize_into_history(self, rows: dict[str, torch.Tensor]) -> None:
         cfg = self.config
         n = rows["key"].shape[2]
+        if cfg.centering:
+            if not self.is_centered:  # the first rows to reach the history (usually the prompt) set the means
+                self.center.tensors = {s: t.float().mean(dim=2, keepdim=True) for s, t in rows.items()}
+            rows = {s: t.float() - self.center[s] for s, t in rows.items()}
         needed = self.n_history + n
         if needed > self.history.capacity:
             capacity = max(needed, self.history.capacity + max(HISTORY_GROWTH, self.history.capacity // 8))
@@ -210,34 +273,46 @@ class OscarLayer(CacheLayerMixin):
         self.n_history = needed
 
     # --------------------------------------------------------------------------------- reads
-    def materialize(self, side: str, stop: int | None = None) -> torch.Tensor:
+    def _history(self, side: str, stop: int, start: int = 0) -> torch.Tensor:
+        """History tokens ``[start, stop)`` of ``side``, dequantized (center added back): fp32
+        ``[B, H, stop - start, D]``. With per-channel K, ``start`` and ``stop`` are multiples of the token group."""
+        h = self.history.read(stop, start)
+        layout = self.config.key_quantization if side == "key" else "per-token"
+        rows = QuantizedRows(h[f"{side}_codes"], h[f"{side}_scale"], h[f"{side}_zero"])
+        history = DEQUANTIZERS[layout](rows, self.config.bits)
+        return history + self.center[side] if self.is_centered else history
+
+    def materialize(self, side: str, stop: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The stored sequence ``sink ‖ dequantized history ‖ recent`` of ``side`` ("key" or "value"),
-        rotated, in the model dtype, ``[B, H, stop, D]`` (the first ``stop`` tokens, default all)."""
-        h = self.history.read(self.n_history)
-        history = dequantize(
-            QuantizedRows(h[f"{side}_codes"], h[f"{side}_scale"], h[f"{side}_zero"]), self.config.bits, self.dtype
-        )
+        rotated, ``[B, H, stop, D]`` (the first ``stop`` tokens, default all) in ``dtype`` (default the model's)."""
+        history = self._history(side, self.n_history)
         parts = [self.sink[side][:, :, : self.n_sink], history, self.recent[side][:, :, : self.n_recent]]
-        return torch.cat(parts, dim=2)[:, :, :stop]
+        return torch.cat([t.to(dtype or self.dtype) for t in parts], dim=2)[:, :, :stop]
 
     # ------------------------------------------------------------------ cache bookkeeping API
     def get_seq_length(self) -> int:
         return self.length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.max_cache_len is not None:  # a fixed size, so that a compiled forward sees one mask shape
+            return self.max_cache_len, 0
         return self.length + query_length, 0
 
     def get_max_length(self) -> int:
-        return -1
+        return -1 if self.max_cache_len is None else self.max_cache_len
 
     def _segments(self) -> tuple[_Segment, ...]:
-        return (self.sink, self.history, self.recent) if self.is_initialized else ()
+        return (self.sink, self.history, self.recent, self.center) if self.is_initialized else ()
 
     def reset(self) -> None:
         self.n_sink = self.n_history = self.n_recent = 0
+        if self.is_initialized:
+            self.center.map(lambda t: t[:, :, :0])
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the newest ``-tokens_to_remove`` tokens (transformers passes a negative count)."""
+        """Drop the newest ``-tokens_to_remove`` tokens (transformers passes a negative count, sometimes as a
+        0-d tensor: the counts must stay Python ints, which the kernels take as lengths)."""
+        tokens_to_remove = int(tokens_to_remove)
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative number of tokens to remove; got {tokens_to_remove}")
         remove = min(-tokens_to_remove, self.length)
@@ -245,6 +320,21 @@ class OscarLayer(CacheLayerMixin):
             taken = min(remove, getattr(self, count))
             setattr(self, count, getattr(self, count) - taken)
             remove -= taken
+        self._return_cut_group()
+
+    def _return_cut_group(self) -> None:
+        """After a crop into a per-channel K token group (whose scale and zero also cover cropped tokens), move the
+        group's surviving tokens back to the (then empty) recent window, dequantized; their next demotion
+        quantizes them again, with the group they join."""
+        unit = self.config.demotion_unit
+        cut = self.n_history % unit
+        if not cut:
+            return
+        start = self.n_history - cut
+        survivors = {side: self._history(side, start + unit, start)[:, :, :cut] for side in ("key", "value")}
+        _reserve(self.recent, 0, cut, self.recent_limit)
+        self.recent.write(0, survivors)
+        self.n_history, self.n_recent = start, cut
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         for segment in self._segments():
@@ -278,6 +368,7 @@ class OscarLayer(CacheLayerMixin):
             self.sink.used_bytes(self.n_sink)
             + self.history.used_bytes(self.n_history)
             + self.recent.used_bytes(self.n_recent)
+            + self.center.used_bytes(self.center.capacity)
         )
         b, h, _, d = self.sink["key"].shape
         return 8 * used, 2 * b * h * self.length * d
@@ -295,6 +386,11 @@ class OscarQuantizedCache(Cache):
         model_config: the model's config (its text config is used for composite models).
         rotations: an OscarRotations bundle that fits the model.
         config: storage settings; defaults to the bundle's recommended config, else OscarConfig().
+        max_cache_len: the most tokens a sequence will hold (prompt + new tokens), or None (grow as needed).
+            With it, every buffer is allocated at its final size on the first update and the attention mask
+            has a fixed size, so the cache is compileable: on CUDA, ``generate`` then compiles the model
+            (``mode="reduce-overhead"``: CUDA graphs) around the cache update and the attention, which run
+            eagerly (graph breaks), as the Triton kernels need per-step lengths.
         **config_overrides: OscarConfig fields to change.
     """
 
@@ -303,8 +399,16 @@ class OscarQuantizedCache(Cache):
         model_config,
         rotations: OscarRotations,
         config: OscarConfig | None = None,
+        max_cache_len: int | None = None,
         **config_overrides,
     ):
+        if max_cache_len is not None and (isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int)
+                                          or max_cache_len < 1):
+            raise ValueError(f"max_cache_len must be a positive integer or None; got {max_cache_len!r}")
+        if max_cache_len is not None:
+            # One compiled attention-module frame for every layer: its layer_idx must not be specialised (the
+            # graph break at the cache update would otherwise compile it once per layer, past dynamo's limit).
+            torch._dynamo.config.allow_unspec_int_on_nn_module = True
         rotations.check_compatible(model_config)
         config = config or rotations.config or OscarConfig()
         if config_overrides:
@@ -316,7 +420,9 @@ class OscarQuantizedCache(Cache):
         layers = []
         for i, kind in enumerate(shape.layer_types):
             if kind == "full_attention":
-                layers.append(OscarLayer(config, rotations.key_rotation[i], rotations.value_rotation[i]))
+                layers.append(
+                    OscarLayer(config, rotations.key_rotation[i], rotations.value_rotation[i], max_cache_len)
+                )
             elif kind == "sliding_attention":
                 layers.append(DynamicSlidingWindowLayer(sliding_window=shape.sliding_window))
             else:
@@ -334,6 +440,7 @@ class OscarQuantizedCache(Cache):
         model: torch.nn.Module,
         subfolder: str | None = None,
         revision: str | None = None,
+        max_cache_len: int | None = None,
         **config_overrides,
     ) -> "OscarQuantizedCache":
         """Load rotations from a folder or Hub repo (or take an OscarRotations), check them against
@@ -344,8 +451,9 @@ class OscarQuantizedCache(Cache):
             else OscarRotations.from_pretrained(src, subfolder=subfolder, revision=revision)
         )
         enable(model)
-        return cls(model.config, rotations, **config_overrides)
+        return cls(model.config, rotations, max_cache_len=max_cache_len, **config_overrides)
 
+    @torch.compiler.disable  # runs eagerly (a graph break) inside a compiled forward
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if isinstance(self.layers[layer_idx], OscarLayer):
             implementation = self._text_config._attn_implementation

@@ -11,6 +11,13 @@ import torch
 SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 QUANTIZERS = ("uniform", "lloyd-max")
 BACKENDS = ("auto", "torch", "triton")
+KEY_QUANTIZATIONS = ("per-token", "per-channel")
+# What per-channel K needs of the other fields: field -> (required value, why).
+PER_CHANNEL_KEY_NEEDS = {
+    "k_clip": (1.0, "clipping is per token"),
+    "centering": (False, "its token groups already take out each channel's offset"),
+    "quantizer": ("uniform", "Lloyd-Max levels are per token"),
+}
 
 
 def _is_int(value) -> bool:
@@ -23,7 +30,8 @@ class OscarConfig:
 
     Per layer and KV head, the first ``sink_tokens`` and the newest ``recent_tokens`` (plus up to
     ``flush_tokens - 1`` more) stay in the model's dtype; every token between is clipped, quantized
-    per token and per group of ``group_size`` channels to ``bits`` bits, and packed.
+    per token and per group of ``group_size`` channels to ``bits`` bits, and packed (K per channel instead
+    with ``key_quantization="per-channel"``).
 
     Args:
         bits: 2 (OSCAR) or 4 (INT4 reference).
@@ -37,6 +45,13 @@ class OscarConfig:
         scale_dtype: dtype of the stored scale and zero: "float16" (2.25 bits per element at
             group 128), "bfloat16" or "float32".
         quantizer: "uniform" (asymmetric min-max) or "lloyd-max" (Gaussian levels, 2 bits only).
+        centering: quantize ``x - μ`` instead of ``x``, with ``μ`` the mean K (V) per sequence and KV head over
+            the first tokens that reach the history (for a prompt: all of it but the windows), stored in fp32
+            and added back on reading. Keys carry large constant channels that a per-token 2-bit grid wastes
+            its levels on; removing them costs one vector per sequence and head.
+        key_quantization: "per-token" (K like V) or "per-channel" (KIVI's key layout: one scale and zero per
+            channel and group of ``flush_tokens`` consecutive tokens, which then always reach the history whole;
+            needs k_clip=1.0, centering=False and quantizer="uniform"). V is per token either way.
         backend: "auto" (triton on CUDA when triton is installed, else torch), "torch" (dequantize + SDPA,
             the reference) or "triton" (fused INT2 write and decode kernels; calls they do not cover, such as
             fp32 models or queries of several tokens, fall back to the torch path).
@@ -51,6 +66,8 @@ class OscarConfig:
     v_clip: float = 0.92
     scale_dtype: str = "float16"
     quantizer: str = "uniform"
+    centering: bool = True
+    key_quantization: str = "per-token"
     backend: str = "auto"
 
     def __post_init__(self):
@@ -80,6 +97,14 @@ class OscarConfig:
             self._fail("quantizer", " or ".join(repr(k) for k in QUANTIZERS))
         if self.quantizer == "lloyd-max" and self.bits != 2:
             self._fail("quantizer", "'uniform' when bits=4 ('lloyd-max' has 2-bit levels only)")
+        if not isinstance(self.centering, bool):
+            self._fail("centering", "True or False")
+        if self.key_quantization not in KEY_QUANTIZATIONS:
+            self._fail("key_quantization", " or ".join(repr(k) for k in KEY_QUANTIZATIONS))
+        if self.key_quantization == "per-channel":
+            for name, (needed, why) in PER_CHANNEL_KEY_NEEDS.items():
+                if getattr(self, name) != needed:
+                    self._fail(name, f"{needed!r} when key_quantization='per-channel' ({why})")
         if self.backend not in BACKENDS:
             self._fail("backend", " or ".join(repr(k) for k in BACKENDS))
 
@@ -100,14 +125,28 @@ class OscarConfig:
             raise ValueError(f"head_dim={head_dim} must be a multiple of {per_byte} to pack {self.bits}-bit codes")
         return group
 
+    @property
+    def demotion_unit(self) -> int:
+        """The history grows by multiples of this: ``flush_tokens`` (a token group) with per-channel K, else 1."""
+        return self.flush_tokens if self.key_quantization == "per-channel" else 1
+
     def bits_per_element(self, head_dim: int, seq_len: int | None = None, model_bits: int = 16) -> float:
-        """Analytic bits per stored K/V element, for a sequence of ``seq_len`` tokens (None: the history alone)."""
+        """Analytic bits per stored K/V element, for a sequence of ``seq_len`` tokens (None: the history alone).
+
+        A history element costs ``bits`` plus its share of a scale and a zero: V (and per-token K) has one pair
+        per token and group of ``group_size`` channels, per-channel K one per channel and group of
+        ``flush_tokens`` tokens. The windows hold what a prefill of ``seq_len`` tokens leaves in them.
+        """
         scale_bits = torch.finfo(self.torch_scale_dtype).bits
-        history = self.bits + 2 * scale_bits / self.resolved_group_size(head_dim)
+        group = self.resolved_group_size(head_dim)
+        key_group = {"per-token": group, "per-channel": self.flush_tokens}[self.key_quantization]
+        history = self.bits + scale_bits / key_group + scale_bits / group  # the mean over K and V
         if seq_len is None:
             return history
-        window = min(seq_len, self.sink_tokens + self.recent_tokens)
-        return (window * model_bits + (seq_len - window) * history) / seq_len
+        past_windows = max(seq_len - self.sink_tokens - self.recent_tokens, 0)
+        quantized = past_windows // self.demotion_unit * self.demotion_unit
+        center = 32 if self.centering and quantized else 0  # one fp32 mean per head and side
+        return ((seq_len - quantized) * model_bits + quantized * history + center) / seq_len
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

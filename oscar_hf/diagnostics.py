@@ -1,7 +1,8 @@
 """Per-layer diagnostics of a rotation bundle on held-out tokens: what INT2 does to K, V and attention.
 
 For every layer, with each chunk's whole K and V quantized (no windows, so the numbers isolate the
-quantizer): relative K and V error ``‖x̂ − x‖²/‖x‖²``, attention-score ``KL(p_full ‖ p_int2)``
+quantizer; centered on the chunk's mean with ``OscarConfig.centering``): relative K and V error
+``‖x̂ − x‖²/‖x‖²``, attention-score ``KL(p_full ‖ p_int2)``
 (causal, mean over query rows and heads), relative attention-output error, and clip rates.
 """
 
@@ -25,16 +26,18 @@ class DiagnosticsObserver:
         self.sums: dict[int, dict[str, float]] = {}
 
     def _quantized(self, x: torch.Tensor, clip: float) -> torch.Tensor:
+        """``x [B, H, T, D]`` through the quantizer (centered on its mean over T, as the cache does)."""
         cfg = self.config
+        center = x.mean(dim=2, keepdim=True) if cfg.centering else torch.zeros_like(x[:, :, :1])
         rows = quantize(
-            x,
+            x - center,
             bits=cfg.bits,
             group_size=cfg.group_size,
             clip=clip,
             scale_dtype=cfg.torch_scale_dtype,
             method=cfg.quantizer,
         )
-        return dequantize(rows, cfg.bits)
+        return dequantize(rows, cfg.bits) + center
 
     def observe(self, layer_idx, query, key, value, output, scaling) -> None:
         cfg, device = self.config, key.device

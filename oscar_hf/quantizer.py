@@ -1,4 +1,4 @@
-"""Per-token quantization of rotated K/V rows: clip, quantize, pack, and back (pure torch).
+"""Quantization of rotated K/V rows: clip, quantize, pack, and back (pure torch).
 
 A row is one token of one KV head, ``x [D]``. It is stored as
 
@@ -9,7 +9,11 @@ A row is one token of one KV head, ``x [D]``. It is stored as
   ``zero`` is the value of code 0 (the group minimum for the uniform quantizer), so a kernel
   computes ``q·x̂ = scale·(q·code) + zero·Σq``.
 
-This module is the oracle for the Triton write kernel.
+Per-channel quantization (KIVI's key layout, :func:`quantize_per_channel`) packs the codes of a block
+``x [N, D]`` per token exactly as above; only its scale and zero change shape, to
+``[N / token_group, D]``: one pair per channel and group of ``token_group`` consecutive tokens.
+
+This module is the oracle for the Triton write kernel (per token).
 """
 
 from __future__ import annotations
@@ -51,6 +55,34 @@ def _round_to(x: torch.Tensor, dtype: torch.dtype, direction: float) -> torch.Te
     return torch.where(wrong_side, torch.nextafter(y, torch.full_like(y, direction)), y)
 
 
+def _check_finite_input(x: torch.Tensor) -> None:
+    """Raise ValueError when the K/V rows ``x`` (any shape and float dtype) hold a NaN or an inf."""
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("cannot quantize K/V rows that contain NaN or inf")
+
+
+def _check_finite_range(scale: torch.Tensor, zero: torch.Tensor, scale_dtype: torch.dtype) -> None:
+    """Raise ValueError when a scale or zero (in ``scale_dtype``) overflowed to inf."""
+    if not bool(torch.isfinite(scale).all() & torch.isfinite(zero).all()):
+        raise ValueError(f"K/V values exceed the range of scale_dtype {scale_dtype}; use scale_dtype='float32'")
+
+
+def _min_max_grid(
+    low: torch.Tensor, high: torch.Tensor, levels: int, scale_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric min-max grid ``(scale, zero)`` in ``scale_dtype`` from fp32 group minima and maxima (same
+    shape): ``zero`` is the minimum rounded down, ``scale = (max - zero) / levels`` rounded up (outward)."""
+    zero = _round_to(low, scale_dtype, -math.inf)
+    # a tensor divisor: CUDA turns division by a Python scalar into a multiply by its reciprocal
+    step = (high - zero.float()) / torch.full_like(high, levels)
+    return _round_to(step.clamp_min(torch.finfo(scale_dtype).tiny), scale_dtype, math.inf), zero
+
+
+def _uniform_codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: int) -> torch.Tensor:
+    """uint8 codes ``clamp(floor((x - zero) / scale + 0.5), 0, levels)`` of fp32 ``x``; scale and zero broadcast."""
+    return torch.floor((x - zero.float()) / scale.float() + 0.5).clamp_(0, levels).to(torch.uint8)
+
+
 def quantize(
     x: torch.Tensor,
     *,
@@ -66,18 +98,13 @@ def quantize(
     rounded outward so that every element dequantizes within ``scale / 2`` of its clipped value.
     Raises ValueError on NaN or inf input, or when a scale or zero overflows ``scale_dtype``.
     """
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError("cannot quantize K/V rows that contain NaN or inf")
+    _check_finite_input(x)
     d = x.shape[-1]
     group = group_size or d
     levels = 2**bits - 1
     xg = clip_rows(x.float(), clip).unflatten(-1, (d // group, group))
     if method == "uniform":
-        zero = _round_to(xg.amin(-1), scale_dtype, -math.inf)
-        top = xg.amax(-1)
-        # a tensor divisor: CUDA turns division by a Python scalar into a multiply by its reciprocal
-        step = (top - zero.float()) / torch.full_like(top, levels)
-        scale = _round_to(step.clamp_min(torch.finfo(scale_dtype).tiny), scale_dtype, math.inf)
+        scale, zero = _min_max_grid(xg.amin(-1), xg.amax(-1), levels, scale_dtype)
     elif method == "lloyd-max":
         if bits != 2:
             raise ValueError("the lloyd-max quantizer has 2-bit levels only")
@@ -87,15 +114,38 @@ def quantize(
         zero = (mean - 1.5 * scale.float()).to(scale_dtype)
     else:
         raise ValueError(f"unknown quantizer {method!r}; expected 'uniform' or 'lloyd-max'")
-    if not bool(torch.isfinite(scale).all() & torch.isfinite(zero).all()):
-        raise ValueError(f"K/V values exceed the range of scale_dtype {scale_dtype}; use scale_dtype='float32'")
+    _check_finite_range(scale, zero, scale_dtype)
     if method == "uniform":
-        codes = torch.floor((xg - zero.float()[..., None]) / scale.float()[..., None] + 0.5)
+        codes = _uniform_codes(xg, scale[..., None], zero[..., None], levels)
     else:
         z = (xg - xg.mean(-1, keepdim=True)) / std[..., None]
         codes = sum((z >= t).float() for t in (-LLOYD_MAX_THRESHOLD, 0.0, LLOYD_MAX_THRESHOLD))
-    codes = codes.clamp_(0, levels).to(torch.uint8).flatten(-2)
-    return QuantizedRows(pack(codes, bits), scale, zero)
+        codes = codes.clamp_(0, levels).to(torch.uint8)
+    return QuantizedRows(pack(codes.flatten(-2), bits), scale, zero)
+
+
+def quantize_per_channel(
+    x: torch.Tensor, *, token_group: int, bits: int = 2, scale_dtype: torch.dtype = torch.float16
+) -> QuantizedRows:
+    """Quantize and pack a block of tokens ``x [..., N, D]`` (any float dtype, ``N`` a multiple of ``token_group``)
+    per channel over each group of ``token_group`` consecutive tokens: KIVI's key layout.
+
+    Uniform asymmetric min-max with round-half-up and outward-rounded scale and zero, as :func:`quantize`
+    (no clipping), so every element dequantizes within ``scale / 2`` of its value. Returns codes uint8
+    ``[..., N, D * bits / 8]`` packed per token as in :func:`quantize`, and scale and zero
+    ``[..., N / token_group, D]`` in ``scale_dtype``. Raises ValueError on NaN or inf input, on a scale or
+    zero that overflows ``scale_dtype``, or when ``N`` is not a multiple of ``token_group``.
+    """
+    _check_finite_input(x)
+    n = x.shape[-2]
+    if n % token_group:
+        raise ValueError(f"per-channel quantization takes a multiple of token_group={token_group} tokens; got {n}")
+    levels = 2**bits - 1
+    xb = x.float().unflatten(-2, (n // token_group, token_group))  # [..., N/G, G, D]
+    scale, zero = _min_max_grid(xb.amin(-2), xb.amax(-2), levels, scale_dtype)
+    _check_finite_range(scale, zero, scale_dtype)
+    codes = _uniform_codes(xb, scale[..., None, :], zero[..., None, :], levels)
+    return QuantizedRows(pack(codes.flatten(-3, -2), bits), scale, zero)
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -115,10 +165,22 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return codes.flatten(-2)
 
 
-def dequantize(rows: QuantizedRows, bits: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``x̂ = zero + scale · code`` per group → ``[..., D]`` in ``dtype``."""
+def _dequantize_along(rows: QuantizedRows, bits: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """``x̂ = zero + scale · code`` with one scale and zero per group of consecutive positions along ``dim`` of the
+    unpacked codes ``[..., N, D]``: -1 (channel groups, per token) or -2 (token groups, per channel)."""
     codes = unpack(rows.codes, bits).float()
-    groups = rows.scale.shape[-1]
-    codes = codes.unflatten(-1, (groups, codes.shape[-1] // groups))
-    x = rows.zero.float()[..., None] + rows.scale.float()[..., None] * codes
-    return x.flatten(-2).to(dtype)
+    groups = rows.scale.shape[dim]
+    codes = codes.unflatten(dim, (groups, codes.shape[dim] // max(groups, 1)))  # (an empty block has no groups)
+    x = rows.zero.float().unsqueeze(dim) + rows.scale.float().unsqueeze(dim) * codes
+    return x.flatten(dim - 1, dim).to(dtype)
+
+
+def dequantize(rows: QuantizedRows, bits: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows from :func:`quantize` (scale and zero ``[..., D / group]``) → ``[..., D]`` in ``dtype``."""
+    return _dequantize_along(rows, bits, -1, dtype)
+
+
+def dequantize_per_channel(rows: QuantizedRows, bits: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A block from :func:`quantize_per_channel` (codes ``[..., N, D·bits/8]``, scale and zero
+    ``[..., N / token_group, D]``) → ``[..., N, D]`` in ``dtype``."""
+    return _dequantize_along(rows, bits, -2, dtype)

@@ -9,9 +9,11 @@ from conftest import make_model
 import oscar_hf.cache as cache_module
 from oscar_hf import OscarConfig, OscarLayer, OscarQuantizedCache, OscarRotations, hadamard_matrix
 from oscar_hf.attention import oscar_attention_forward
-from oscar_hf.quantizer import dequantize, quantize
+from oscar_hf.evaluation import make_cache
+from oscar_hf.quantizer import dequantize, dequantize_per_channel, quantize, quantize_per_channel
 
 B, H, D = 2, 3, 64
+PER_CHANNEL = {"key_quantization": "per-channel", "k_clip": 1.0, "centering": False}  # K as KIVI stores it
 
 
 def rows(n: int, seed: int, dim: int = D, dtype=torch.float32) -> torch.Tensor:
@@ -27,13 +29,16 @@ def make_layer(dim: int = D, **config) -> OscarLayer:
     return OscarLayer(cfg, random_orthogonal(dim, 1), random_orthogonal(dim, 2))
 
 
-def expected_sequence(layer: OscarLayer, keys: torch.Tensor, side_clip: float) -> torch.Tensor:
-    """What the layer should hold for the key sequence ``keys`` given its counts: windows exact, history quantized."""
+def expected_sequence(layer: OscarLayer, x: torch.Tensor, side: str, first_demoted: int) -> torch.Tensor:
+    """What the layer should hold of the sequence ``x`` (keys or values) given its counts: windows exact, history
+    quantized after subtracting the mean of the ``first_demoted`` tokens that reached it first."""
     cfg = layer.config
-    rotated = keys @ layer.key_rotation
+    rotated = x @ (layer.key_rotation if side == "key" else layer.value_rotation)
     s, q = layer.n_sink, layer.n_history
-    history = quantize(rotated[:, :, s : s + q], bits=cfg.bits, clip=side_clip, scale_dtype=cfg.torch_scale_dtype)
-    return torch.cat([rotated[:, :, :s], dequantize(history, cfg.bits), rotated[:, :, s + q :]], dim=2)
+    center = rotated[:, :, s : s + first_demoted].mean(dim=2, keepdim=True)
+    clip = cfg.k_clip if side == "key" else cfg.v_clip
+    history = quantize(rotated[:, :, s : s + q] - center, bits=cfg.bits, clip=clip, scale_dtype=cfg.torch_scale_dtype)
+    return torch.cat([rotated[:, :, :s], dequantize(history, cfg.bits) + center, rotated[:, :, s + q :]], dim=2)
 
 
 def test_prefill_splits_sink_history_recent():
@@ -41,7 +46,9 @@ def test_prefill_splits_sink_history_recent():
     keys, values = rows(30, 0), rows(30, 1)
     layer.update(keys, values)
     assert (layer.n_sink, layer.n_history, layer.n_recent) == (4, 18, 8)
-    torch.testing.assert_close(layer.materialize("key"), expected_sequence(layer, keys, 0.96), rtol=0, atol=1e-5)
+    torch.testing.assert_close(layer.materialize("key"), expected_sequence(layer, keys, "key", 18), rtol=0, atol=1e-5)
+    torch.testing.assert_close(layer.materialize("value"), expected_sequence(layer, values, "value", 18), atol=1e-5,
+                               rtol=0)
 
 
 def test_decode_demotes_flush_tokens_at_a_time():
@@ -56,16 +63,26 @@ def test_decode_demotes_flush_tokens_at_a_time():
         recent_sizes.append(layer.n_recent)
     assert set(recent_sizes) == set(range(8, 12)), "recent holds recent_tokens .. recent_tokens + flush_tokens - 1"
     assert {b - a for a, b in zip(history_sizes, history_sizes[1:])} == {0, 4}, "demotion is flush_tokens at a time"
-    torch.testing.assert_close(layer.materialize("key"), expected_sequence(layer, keys, 0.96), rtol=0, atol=1e-5)
-    torch.testing.assert_close(layer.materialize("value"), expected_sequence_value(layer, keys), rtol=0, atol=1e-5)
+    for side in ("key", "value"):  # the first demotion moved flush_tokens (4) tokens
+        torch.testing.assert_close(layer.materialize(side), expected_sequence(layer, keys, side, 4), rtol=0, atol=1e-5)
 
 
-def expected_sequence_value(layer, values):
+def test_uncentered_history_and_reset_forgets_the_means():
+    layer = make_layer(centering=False)
+    keys, values = rows(30, 0), rows(30, 1)
+    layer.update(keys, values)
+    assert not layer.is_centered
     cfg = layer.config
-    rotated = values @ layer.value_rotation
-    s, q = layer.n_sink, layer.n_history
-    history = quantize(rotated[:, :, s : s + q], bits=cfg.bits, clip=0.92, scale_dtype=cfg.torch_scale_dtype)
-    return torch.cat([rotated[:, :, :s], dequantize(history, cfg.bits), rotated[:, :, s + q :]], dim=2)
+    rotated = keys @ layer.key_rotation
+    history = quantize(rotated[:, :, 4:22], bits=cfg.bits, clip=cfg.k_clip, scale_dtype=cfg.torch_scale_dtype)
+    torch.testing.assert_close(layer.materialize("key")[:, :, 4:22], dequantize(history, cfg.bits), rtol=0, atol=1e-5)
+    centered = make_layer()
+    centered.update(keys, values)
+    assert centered.is_centered and centered.center["key"].shape == (B, H, 1, D)
+    centered.reset()
+    assert not centered.is_centered
+    centered.update(values, keys)  # a new sequence: new means
+    torch.testing.assert_close(centered.center["key"], (values @ centered.key_rotation)[:, :, 4:22].mean(2, True))
 
 
 def test_no_full_precision_copy_of_the_history_outlives_an_update():
@@ -94,15 +111,17 @@ def test_history_grows_in_large_chunks(monkeypatch):
     assert len(grows) <= 3, f"history reallocated {len(grows)} times for 3000 tokens"
 
 
-def test_crop_removes_newest_tokens_exactly():
-    layer = make_layer()
+@pytest.mark.parametrize("config", [{}, PER_CHANNEL], ids=["per-token", "per-channel"])
+def test_crop_removes_newest_tokens_exactly(config):
+    layer = make_layer(**config)
     keys = rows(40, 0)
     layer.update(keys[:, :, :30], keys[:, :, :30])
     for t in range(30, 40):
         layer.update(keys[:, :, t : t + 1], keys[:, :, t : t + 1])
     before = layer.materialize("key")
     for remove in (3, 9, 20, 8):  # into recent, through the history, into the sink
-        layer.crop(-remove)
+        layer.crop(-torch.tensor(remove))  # assisted generation passes a 0-d tensor
+        assert all(type(n) is int for n in (layer.n_sink, layer.n_history, layer.n_recent))
         torch.testing.assert_close(layer.materialize("key"), before[:, :, : layer.length], rtol=0, atol=0)
     assert layer.length == 0
     layer.update(keys[:, :, :6], keys[:, :, :6])
@@ -111,8 +130,9 @@ def test_crop_removes_newest_tokens_exactly():
         layer.crop(3)
 
 
-def test_reorder_and_batch_ops_apply_to_every_segment():
-    layer = make_layer()
+@pytest.mark.parametrize("config", [{}, PER_CHANNEL], ids=["per-token", "per-channel"])
+def test_reorder_and_batch_ops_apply_to_every_segment(config):
+    layer = make_layer(**config)
     keys = rows(30, 0)
     layer.update(keys, keys)
     full = layer.materialize("value")
@@ -132,7 +152,7 @@ def test_nbytes_and_bits_per_element_match_the_analytic_count():
     seq = 1000
     model(input_ids=torch.randint(3, 90, (1, seq)), past_key_values=cache, use_cache=True)
     history = seq - 64 - 256
-    expected_bits = 16 * (64 + 256) + history * (2 + 32 / 128)
+    expected_bits = 16 * (64 + 256) + history * (2 + 32 / 128) + 32  # + the fp32 centering means
     assert cache.bits_per_element == pytest.approx(expected_bits / seq)
     assert cache.bits_per_element == pytest.approx(cache.config.bits_per_element(dim, seq))
     layer = cache.layers[0]
@@ -141,6 +161,7 @@ def test_nbytes_and_bits_per_element_match_the_analytic_count():
     assert layer.sink.capacity == 64 and 256 <= layer.recent.capacity <= 256 + 7
     windows = layer.sink.capacity + layer.recent.capacity
     per_side_bytes = windows * dim * 2 + capacity * (dim // 4 + 2 + 2)  # bf16 windows + codes + fp16 scale, zero
+    per_side_bytes += dim * 4  # the fp32 centering mean
     rotations = 2 * dim * dim * 4
     assert cache.nbytes == shape_layers * (kv_heads * 2 * per_side_bytes + rotations)
     assert cache.nbytes == sum(
@@ -150,6 +171,7 @@ def test_nbytes_and_bits_per_element_match_the_analytic_count():
             *layer.sink.tensors.values(),
             *layer.recent.tensors.values(),
             *layer.history.tensors.values(),
+            *layer.center.tensors.values(),
             layer.key_rotation,
             layer.value_rotation,
         ]
@@ -248,3 +270,123 @@ def test_backend_auto_is_triton_on_cuda_and_torch_on_cpu():
     assert write_backend("auto", torch.device("cuda")) is WRITE_BACKENDS["triton"]
     with pytest.raises(ValueError, match="'cutlass' is not available"):
         attention_backend("cutlass", torch.device("cpu"))
+
+
+# ------------------------------------------------------------------------- per-channel K (KIVI's key layout)
+def rotate(layer: OscarLayer, x: torch.Tensor, side: str, chunks: list[int]) -> torch.Tensor:
+    """``x`` rotated as the layer rotated it: chunk by chunk (a matmul's rounding depends on its shape, and one
+    fp32 ulp can move a per-channel min or max across an fp16 rounding boundary)."""
+    rotation = layer.key_rotation if side == "key" else layer.value_rotation
+    return torch.cat([part @ rotation for part in x.split(chunks, dim=2)], dim=2)
+
+
+def rotate_all(layer: OscarLayer, keys: torch.Tensor, values: torch.Tensor, chunks: list[int]) -> dict:
+    return {"key": rotate(layer, keys, "key", chunks), "value": rotate(layer, values, "value", chunks)}
+
+
+def expected_per_channel_sequence(layer: OscarLayer, rotated: torch.Tensor, side: str) -> torch.Tensor:
+    """What a per-channel-K layer should hold of the rotated sequence given its counts: windows exact; in the
+    history, K quantized per channel over groups of flush_tokens tokens (from its first token), V per token."""
+    cfg = layer.config
+    s, q = layer.n_sink, layer.n_history
+    block = rotated[:, :, s : s + q]
+    scale_dtype = cfg.torch_scale_dtype
+    if side == "key":
+        quantized = quantize_per_channel(block, token_group=cfg.flush_tokens, bits=cfg.bits, scale_dtype=scale_dtype)
+        history = dequantize_per_channel(quantized, cfg.bits)
+    else:
+        history = dequantize(quantize(block, bits=cfg.bits, clip=cfg.v_clip, scale_dtype=scale_dtype), cfg.bits)
+    return torch.cat([rotated[:, :, :s], history, rotated[:, :, s + q : layer.length]], dim=2)
+
+
+def assert_holds(layer: OscarLayer, rotated: dict[str, torch.Tensor]) -> None:
+    for side, x in rotated.items():
+        expected = expected_per_channel_sequence(layer, x, side)
+        torch.testing.assert_close(layer.materialize(side), expected, rtol=0, atol=1e-5)
+
+
+def test_per_channel_prefill_demotes_whole_token_groups():
+    layer = make_layer(**PER_CHANNEL)  # sink 4, recent 8, token group 4
+    keys, values = rows(30, 0), rows(30, 1)
+    layer.update(keys, values)
+    assert (layer.n_sink, layer.n_history, layer.n_recent) == (4, 16, 10), "26 past the sink: 4 whole groups"
+    used = layer.history.read(layer.n_history)
+    assert used["key_scale"].shape == used["key_zero"].shape == (B, H, 4, D), "one scale per channel and group"
+    assert used["key_codes"].shape == (B, H, 16, D // 4) and used["value_scale"].shape == (B, H, 16, 1)
+    assert_holds(layer, rotate_all(layer, keys, values, [30]))
+
+
+@pytest.mark.parametrize(
+    "chunks, steps",
+    [([12] + [1] * 28, {0, 4}), ([5, 1, 7, 3, 1, 1, 13, 2, 1, 6], {0, 4, 8, 12})],
+    ids=["decode", "uneven-chunks"],
+)
+def test_per_channel_demotions_move_whole_token_groups(chunks, steps):
+    layer = make_layer(**PER_CHANNEL)
+    keys, values = rows(sum(chunks), 0), rows(sum(chunks), 1)
+    start, history_sizes = 0, [0]
+    for n in chunks:
+        layer.update(keys[:, :, start : start + n], values[:, :, start : start + n])
+        start += n
+        history_sizes.append(layer.n_history)
+        assert layer.n_recent <= 11 and (layer.n_history == 0 or layer.n_recent >= 8)
+    assert {b - a for a, b in zip(history_sizes, history_sizes[1:])} == steps
+    assert_holds(layer, rotate_all(layer, keys, values, chunks))
+
+
+def test_per_channel_crop_into_a_token_group_requantizes_its_survivors_with_their_next_group():
+    layer = make_layer(**PER_CHANNEL)
+    keys, values = rows(60, 0), rows(60, 1)
+    layer.update(keys[:, :, :30], values[:, :, :30])  # sink 4, history 16 (positions 4..19), recent 10
+    before = {side: layer.materialize(side) for side in ("key", "value")}
+    layer.crop(-(layer.n_recent + 6))  # leaves 2 tokens (12, 13) of the group 12..15
+    assert (layer.n_sink, layer.n_history, layer.n_recent) == (4, 8, 2)
+    for side, x in before.items():
+        torch.testing.assert_close(layer.materialize(side), x[:, :, :14], rtol=0, atol=0)
+    for t in range(14, 60):
+        layer.update(keys[:, :, t : t + 1], values[:, :, t : t + 1])
+        assert layer.n_history % 4 == 0
+    # tokens 12 and 13 went back to the window as read from the history, and were quantized again from there
+    first = rotate_all(layer, keys[:, :, :30], values[:, :, :30], [30])
+    rest = rotate_all(layer, keys[:, :, 14:], values[:, :, 14:], [1] * 46)
+    rotated = {side: torch.cat([first[side][:, :, :12], before[side][:, :, 12:14], rest[side]], dim=2) for side in rest}
+    assert_holds(layer, rotated)
+
+
+def test_kivi_2_stores_what_its_bits_per_element_say():
+    """The kivi-2 preset (K per channel over 32 tokens, V per token over 32 channels, fp16 scales; no sink, recent
+    112): the stored bytes, counted from the tensors, match the analytic formula at every length."""
+    model = make_model("qwen3-gqa-qknorm-d128")  # fp32 (fast on the CPU): 2 layers, 2 KV heads, head_dim 128
+    cache = make_cache("kivi-2", model)
+    ids = torch.randint(3, 90, (1, 240), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(input_ids=ids[:, :200], past_key_values=cache, use_cache=True)  # 88 past the window: 2 groups
+        assert cache.bits_per_element == pytest.approx((136 * 32 + 64 * (2 + 16 / 32 + 16 / 32)) / 200)
+        for t in range(200, 240):  # decode: the window cycles through 112 .. 143 tokens
+            model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            assert cache.bits_per_element == pytest.approx(cache.config.bits_per_element(128, t + 1, model_bits=32))
+    layer = cache.layers[0]
+    assert (layer.n_sink, layer.n_history, layer.n_recent) == (0, 128, 112)
+    key_bytes = 128 * 128 // 4 + 2 * (128 // 32) * 128 * 2  # codes + fp16 scale and zero per channel and group
+    value_bytes = 128 * 128 // 4 + 2 * 128 * (128 // 32) * 2  # codes + fp16 scale and zero per token and group
+    window_bytes = 2 * 112 * 128 * 4
+    assert layer.stored_bits_and_elements() == (8 * 2 * (key_bytes + value_bytes + window_bytes), 2 * 2 * 240 * 128)
+    assert layer.history["key_scale"].shape[2] == -(-layer.history.capacity // 32)
+
+
+def test_per_channel_keys_bypass_the_triton_kernels(monkeypatch):
+    triton = pytest.importorskip("triton")
+    from oscar_hf.kernels.triton_decode import kernel_supports
+
+    keys, values = rows(30, 0, dtype=torch.bfloat16), rows(30, 1, dtype=torch.bfloat16)
+    layers = {backend: make_layer(backend=backend, **PER_CHANNEL) for backend in ("torch", "triton")}
+    for layer in layers.values():
+        layer.update(keys, values)
+    stored = {backend: layer.history.read(layer.n_history) for backend, layer in layers.items()}
+    for name, t in stored["torch"].items():
+        assert torch.equal(stored["triton"][name], t), f"{name}: the torch writer stores per-channel K"
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", True)  # kernel_supports' stand-in for a CUDA query
+    per_token = make_layer()
+    per_token.update(keys, values)
+    query = rows(1, 2, dtype=torch.bfloat16)
+    assert kernel_supports(query, per_token, None) and not kernel_supports(query, layers["triton"], None)

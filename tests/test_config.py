@@ -17,8 +17,11 @@ NON_DEFAULT = dict(
     v_clip=0.9,
     scale_dtype="bfloat16",
     quantizer="uniform",
+    centering=False,
+    key_quantization="per-channel",
     backend="torch",
 )
+PER_CHANNEL = dict(key_quantization="per-channel", k_clip=1.0, centering=False)
 
 
 def test_defaults_match_the_spec():
@@ -32,6 +35,8 @@ def test_defaults_match_the_spec():
         v_clip=0.92,
         scale_dtype="float16",
         quantizer="uniform",
+        centering=True,
+        key_quantization="per-token",
         backend="auto",
     )
     assert OscarConfig().torch_scale_dtype == torch.float16
@@ -73,7 +78,12 @@ def test_scale_dtype_accepts_torch_dtypes(dtype, name):
         pytest.param(dict(scale_dtype=torch.int8), "scale_dtype", id="scale_dtype-torch.int8"),
         pytest.param(dict(quantizer="kmeans"), "quantizer", id="quantizer-kmeans"),
         pytest.param(dict(backend="cuda"), "backend", id="backend-cuda"),
+        pytest.param(dict(centering="yes"), "centering", id="centering-str"),
         pytest.param(dict(quantizer="lloyd-max", bits=4), "quantizer", id="lloyd-max-bits-4"),
+        pytest.param(dict(key_quantization="per-head"), "key_quantization", id="key_quantization-per-head"),
+        pytest.param(dict(key_quantization="per-channel", centering=False), "k_clip", id="per-channel-clipped"),
+        pytest.param(dict(key_quantization="per-channel", k_clip=1.0), "centering", id="per-channel-centered"),
+        pytest.param({**PER_CHANNEL, "quantizer": "lloyd-max"}, "quantizer", id="per-channel-lloyd-max"),
     ],
 )
 def test_invalid_values_raise_naming_the_field(overrides, field):
@@ -118,14 +128,36 @@ def test_group_larger_than_head_dim_raises():
     [
         pytest.param(dict(group_size=128), None, 2.25, id="g128-fp16-history"),
         pytest.param(dict(), None, 2.25, id="gNone-fp16-history"),
-        pytest.param(dict(group_size=128), 131072, 2.2836, id="g128-fp16-128k"),
-        pytest.param(dict(group_size=128), 32768, 2.3843, id="g128-fp16-32k"),
+        pytest.param(dict(group_size=128), 131072, 2.2838, id="g128-fp16-128k"),
+        pytest.param(dict(group_size=128, centering=False), 131072, 2.2836, id="g128-fp16-128k-uncentered"),
+        pytest.param(dict(group_size=128), 32768, 2.3853, id="g128-fp16-32k"),
         pytest.param(dict(group_size=128), 300, 16.0, id="g128-fp16-all-window"),
         pytest.param(dict(group_size=64), None, 2.5, id="g64-fp16-history"),
         pytest.param(dict(bits=4, group_size=128), None, 4.25, id="int4-g128-history"),
         pytest.param(dict(group_size=128, scale_dtype="float32"), None, 2.5, id="g128-fp32-history"),
         pytest.param(dict(group_size=128, scale_dtype="bfloat16"), None, 2.25, id="g128-bf16-history"),
+        # per-channel K: one fp16 scale and zero per channel and 32 tokens (0.5 bits); V per token and group
+        pytest.param(dict(group_size=32, flush_tokens=32, **PER_CHANNEL), None, 3.0, id="per-channel-g32-history"),
+        pytest.param(dict(group_size=128, flush_tokens=32, **PER_CHANNEL), None, 2.625, id="per-channel-g128-history"),
+        pytest.param(dict(group_size=32, flush_tokens=32, **PER_CHANNEL), 131072, 3.0317, id="per-channel-128k"),
+        # windows hold what the whole token groups leave: 1000 - 64 - 256 = 680 = 21·32 + 8
+        pytest.param(dict(group_size=32, flush_tokens=32, **PER_CHANNEL), 1000, 7.264, id="per-channel-1000"),
+        pytest.param(
+            dict(group_size=32, flush_tokens=32, sink_tokens=0, recent_tokens=112, **PER_CHANNEL),
+            1000,
+            (136 * 16 + 864 * 3) / 1000,
+            id="kivi-2-1000",
+        ),
     ],
 )
 def test_bits_per_element(fields, seq_len, expected):
     assert OscarConfig(**fields).bits_per_element(128, seq_len) == pytest.approx(expected, abs=1e-4)
+
+
+def test_per_channel_error_says_why():
+    with pytest.raises(ValueError, match=r"k_clip must be 1.0 when key_quantization='per-channel' \(clipping is per"):
+        OscarConfig(key_quantization="per-channel")
+    with pytest.raises(ValueError, match="centering must be False when key_quantization='per-channel'"):
+        OscarConfig(key_quantization="per-channel", k_clip=1.0)
+    assert OscarConfig(flush_tokens=16, **PER_CHANNEL).demotion_unit == 16
+    assert OscarConfig(flush_tokens=16).demotion_unit == 1

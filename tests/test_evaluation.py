@@ -10,7 +10,7 @@ from conftest import make_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from oscar_hf import OscarRotations
+from oscar_hf import OscarConfig, OscarRotations
 from oscar_hf.cli import main
 from oscar_hf.evaluation import METHODS, make_cache
 from oscar_hf.evaluation.gsm8k import evaluate_gsm8k, extract_answer, load_gsm8k
@@ -40,12 +40,38 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
 
 def test_methods_registry_presets():
     model = make_model("llama-mha-d64")
-    assert list(METHODS) == ["bf16", "int4", "naive-int2", "quarot-int2", "oscar", "oscar-lloyd-max"]
+    assert list(METHODS) == [
+        "bf16",
+        "int4",
+        "naive-int2",
+        "quarot-int2",
+        "kivi-2",
+        "oscar",
+        "oscar-uncentered",
+        "oscar-lloyd-max",
+    ]
     assert type(make_cache("bf16", model)).__name__ == "DynamicCache"
     int4 = make_cache("int4", model)
     assert (int4.config.bits, int4.config.group_size, int4.config.k_clip) == (4, 64, 1.0)
     assert make_cache("quarot-int2", model).rotations.method == "hadamard"
     assert make_cache("naive-int2", model).rotations.method == "identity"
+    bundle = OscarRotations.hadamard(model.config)
+    bundle.config = OscarConfig(k_clip=0.9, scale_dtype="float32", sink_tokens=16, flush_tokens=8)
+    kivi = make_cache("kivi-2", model, bundle)  # the preset replaces whatever the bundle recommends
+    assert kivi.rotations.method == "identity" and kivi.config.to_dict() == {
+        **kivi.config.to_dict(),
+        "bits": 2,
+        "key_quantization": "per-channel",
+        "flush_tokens": 32,
+        "group_size": 32,
+        "sink_tokens": 0,
+        "recent_tokens": 112,
+        "k_clip": 1.0,
+        "v_clip": 1.0,
+        "centering": False,
+        "quantizer": "uniform",
+        "scale_dtype": "float16",
+    }
     calibrated = OscarRotations.hadamard(model.config)
     calibrated.method = "oscar"
     oscar = make_cache("oscar-lloyd-max", model, calibrated)

@@ -7,6 +7,7 @@ from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 from oscar_hf import OscarQuantizedCache, OscarRotations
+from oscar_hf.evaluation import make_cache
 
 NEW_TOKENS = 12
 
@@ -187,3 +188,72 @@ def test_quantized_greedy_logits_close_to_full_precision():
     )
     assert 0 < kl < 0.05
     assert full.logits[0].shape[-1] == VOCAB
+
+
+def test_compiled_generate_with_a_static_cache_equals_eager():
+    """max_cache_len makes the cache compileable: generate compiles the model around the cache update and the
+    attention (graph breaks), with one mask shape for every step, so decoding compiles the same graphs for 2 new
+    tokens as for 12, and gives the eager tokens."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    model = make_model("qwen3-gqa-qknorm-d128", num_hidden_layers=3)
+    inputs = prompt(2, length=20, left_pad=(0, 3))
+    compile_config = CompileConfig(backend="eager", mode=None)
+    compile_config._compile_all_devices = True  # transformers' switch for compiling generate off CUDA
+
+    def cache(**kwargs):
+        return OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model, sink_tokens=4,
+                                                   recent_tokens=8, flush_tokens=2, **kwargs)
+
+    def compiled(new_tokens):
+        torch._dynamo.reset()
+        counters.clear()
+        static = cache(max_cache_len=20 + NEW_TOKENS)
+        out = model.generate(**inputs, max_new_tokens=new_tokens, pad_token_id=0, past_key_values=static,
+                             compile_config=compile_config)
+        return out, static, counters["stats"]["unique_graphs"]
+
+    eager = run(model, inputs, cache(), disable_compile=True)
+    short, _, short_graphs = compiled(2)
+    out, static, graphs = compiled(NEW_TOKENS)
+    assert static.is_compileable and not cache().is_compileable
+    assert graphs == short_graphs > 0, "generate recompiled per step (or did not compile)"
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    torch.testing.assert_close(short, eager[:, :22], rtol=0, atol=0)
+    layer = static.layers[0]
+    assert layer.history.capacity == 20 + NEW_TOKENS - 4 - 8 and layer.get_mask_sizes(1) == (32, 0)
+
+
+def test_static_cache_refuses_tokens_past_max_cache_len():
+    model = make_model("llama-mha-d64")
+    cache = OscarQuantizedCache.from_pretrained(OscarRotations.identity(model.config), model=model, max_cache_len=20)
+    with pytest.raises(ValueError, match="max_cache_len=20"):
+        run(model, prompt(length=17), cache)
+    with pytest.raises(ValueError, match="max_cache_len must be a positive integer"):
+        OscarQuantizedCache.from_pretrained(OscarRotations.identity(model.config), model=model, max_cache_len=0)
+
+
+@pytest.mark.parametrize("mode", QUANTIZED_MODES)
+def test_kivi_2_in_every_mode(mode):
+    """The kivi-2 preset (per-channel K): token-identical to the default cache while its window covers the sequence;
+    with token groups of 4 and a window of 4 the history fills, whole groups at a time, crops and beams included."""
+    model = make_model("qwen3-gqa-qknorm-d128")
+    make_inputs, kwargs = MODES[mode]
+    expected = run(model, make_inputs(), **kwargs)
+    covered = make_cache("kivi-2", model, recent_tokens=512)
+    torch.testing.assert_close(run(model, make_inputs(), cache=covered, **kwargs), expected, rtol=0, atol=0)
+    assert all(layer.n_history == 0 for layer in covered.layers)
+    cache = make_cache("kivi-2", model, recent_tokens=4, flush_tokens=4)
+    assert run(model, make_inputs(), cache=cache, **kwargs).shape == expected.shape
+    assert all(layer.n_history > 0 and layer.n_history % 4 == 0 for layer in cache.layers)
+
+
+def test_kivi_2_preset_on_a_long_prompt():
+    """As shipped (groups of 32 tokens, window 112 .. 143): a 200-token prompt leaves 64 tokens in the history, and
+    the 8th decoding step demotes one more group."""
+    model = make_model("qwen3-gqa-qknorm-d128")
+    cache = make_cache("kivi-2", model)
+    out = run(model, prompt(length=200), cache=cache)
+    assert out.shape == (1, 200 + NEW_TOKENS)
+    assert [(layer.n_sink, layer.n_history, layer.n_recent) for layer in cache.layers] == [(0, 96, 115)] * 2

@@ -27,7 +27,7 @@ from oscar_hf import OscarConfig, OscarLayer, OscarQuantizedCache, OscarRotation
 from oscar_hf.kernels import ATTENTION_BACKENDS, WRITE_BACKENDS, naive  # noqa: E402
 from oscar_hf.kernels.triton_decode import DecodeConfig, attend, decode  # noqa: E402
 from oscar_hf.kernels.triton_write import quantize_pack, quantize_pack_kv  # noqa: E402
-from oscar_hf.quantizer import QuantizedRows, dequantize, quantize, unpack  # noqa: E402
+from oscar_hf.quantizer import QuantizedRows, quantize, unpack  # noqa: E402
 
 DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -134,14 +134,8 @@ def filled_layer(batch, heads, dim, n_history, dtype, *, sink=4, recent=8, pads=
 
 def fp32_reference(query, layer, mask, groups):
     """Attention in fp32 over exactly what the layer stores (history dequantized in fp32)."""
-    parts = {}
-    for side in ("key", "value"):
-        h = layer.history.read(layer.n_history)
-        rows = QuantizedRows(h[f"{side}_codes"], h[f"{side}_scale"], h[f"{side}_zero"])
-        history = dequantize(rows, layer.config.bits, torch.float32)
-        sink, recent = layer.sink[side][:, :, : layer.n_sink], layer.recent[side][:, :, : layer.n_recent]
-        parts[side] = torch.cat([sink.float(), history, recent.float()], dim=2)
-    out, _ = sdpa_attention_forward(Attn(groups), query.float(), parts["key"], parts["value"], mask, scaling=None)
+    key, value = (layer.materialize(side, dtype=torch.float32) for side in ("key", "value"))
+    out, _ = sdpa_attention_forward(Attn(groups), query.float(), key, value, mask, scaling=None)
     return out
 
 
@@ -221,8 +215,8 @@ def teacher_forced_logits(model, ids, mask, cache, prompt_len):
     logits = []
     with torch.no_grad():
         for start, stop in [(0, prompt_len)] + [(t, t + 1) for t in range(prompt_len, ids.shape[1] - 1)]:
-            out = model(input_ids=ids[:, start:stop], attention_mask=mask[:, :stop], position_ids=positions[:, start:stop],
-                        past_key_values=cache, use_cache=True)
+            out = model(input_ids=ids[:, start:stop], attention_mask=mask[:, :stop],
+                        position_ids=positions[:, start:stop], past_key_values=cache, use_cache=True)
             logits.append(out.logits[:, -1].float())
     return torch.stack(logits, 1)
 
@@ -270,3 +264,7 @@ def test_cache_quantizes_through_the_triton_writer():
         a = triton_layer.history[name][:, :, : triton_layer.n_history]
         assert torch.equal(a, torch_layer.history[name][:, :, : torch_layer.n_history]), name
     assert unpack(triton_layer.history["key_codes"][:, :, :1], 2).max() <= 3
+
+
+def test_decode_uncentered_history():
+    check_decode(2, 2, 4, 128, 90, torch.bfloat16, centering=False, pads=(0, 6))

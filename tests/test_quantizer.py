@@ -1,9 +1,18 @@
-"""oscar_hf.quantizer: packing layout, the uniform error bound, clipping, constant rows, Lloyd-Max, errors, shapes."""
+"""oscar_hf.quantizer: packing layout, the uniform error bound, clipping, constant rows, Lloyd-Max, errors, shapes,
+and per-channel (KIVI key) quantization."""
 
 import pytest
 import torch
 
-from oscar_hf.quantizer import clip_rows, dequantize, pack, quantize, unpack
+from oscar_hf.quantizer import (
+    clip_rows,
+    dequantize,
+    dequantize_per_channel,
+    pack,
+    quantize,
+    quantize_per_channel,
+    unpack,
+)
 
 DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 SCALE_DTYPES = list(DTYPE_IDS)
@@ -196,3 +205,73 @@ def test_shapes_and_dtypes_on_4d_input(bits, group, scale_dtype):
     assert q.scale.dtype == q.zero.dtype == scale_dtype
     out = dequantize(q, bits, dtype=torch.bfloat16)
     assert out.shape == x.shape and out.dtype == torch.bfloat16
+
+
+# ------------------------------------------------------------------------------------------ per channel
+def channels_with_offsets(*shape: int, seed: int = 0) -> torch.Tensor:
+    """Gaussian tokens ``[..., N, D]`` whose channels carry large constant offsets, like the channels of real keys."""
+    x = randn(*shape, seed=seed)
+    return x + 10 * randn(shape[-1], seed=seed + 1)
+
+
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES, ids=lambda t: DTYPE_IDS[t])
+@pytest.mark.parametrize("x_dtype", SCALE_DTYPES, ids=lambda t: f"x-{DTYPE_IDS[t]}")
+@pytest.mark.parametrize("token_group", [8, 32], ids=lambda g: f"G{g}")
+@pytest.mark.parametrize("bits", [2, 4], ids=lambda b: f"int{b}")
+def test_per_channel_error_within_half_a_step(bits, token_group, x_dtype, scale_dtype):
+    x = channels_with_offsets(2, 3, 64, 128, seed=bits + token_group).to(x_dtype)
+    q = quantize_per_channel(x, token_group=token_group, bits=bits, scale_dtype=scale_dtype)
+    assert q.codes.dtype == torch.uint8 and q.codes.shape == (2, 3, 64, 128 * bits // 8)
+    assert q.scale.shape == q.zero.shape == (2, 3, 64 // token_group, 128)
+    assert q.scale.dtype == q.zero.dtype == scale_dtype
+    out = dequantize_per_channel(q, bits, dtype=x_dtype)
+    assert out.shape == x.shape and out.dtype == x_dtype
+    error = (dequantize_per_channel(q, bits) - x.float()).abs().unflatten(-2, (64 // token_group, token_group))
+    half_step = q.scale.float()[..., None, :] / 2
+    fp32_slack = 4 * torch.finfo(torch.float32).eps * x.float().abs().unflatten(-2, error.shape[-3:-1])  # offsets
+    assert bool((error <= half_step * (1 + 1e-5) + fp32_slack).all()), float((error / half_step).max())
+
+
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES, ids=lambda t: DTYPE_IDS[t])
+@pytest.mark.parametrize("bits", [2, 4], ids=lambda b: f"int{b}")
+def test_per_channel_range_is_rounded_outward(bits, scale_dtype):
+    """Per channel and token group: zero <= min and zero + levels·scale >= max (up to fp32 arithmetic)."""
+    x = channels_with_offsets(96, 128, seed=6)
+    q = quantize_per_channel(x, token_group=32, bits=bits, scale_dtype=scale_dtype)
+    blocks = x.unflatten(0, (3, 32))  # [N/G, G, D]
+    zero, scale = q.zero.float(), q.scale.float()
+    fp32_slack = 4 * torch.finfo(torch.float32).eps * blocks.abs().amax(1)
+    assert bool((zero <= blocks.amin(1)).all())
+    assert bool((zero + (2**bits - 1) * scale >= blocks.amax(1) - fp32_slack).all())
+
+
+@pytest.mark.parametrize("bits", [2, 4], ids=lambda b: f"int{b}")
+def test_per_channel_is_per_token_quantization_of_the_transposed_block(bits):
+    """Same min-max rules: the scale, zero and codes of a per-channel block are the per-token quantizer's on its
+    transpose with group_size = token_group, and the codes stay packed per token (byte j: channels j, j + D/n...)."""
+    x = channels_with_offsets(2, 64, 128, seed=7)
+    q = quantize_per_channel(x, token_group=16, bits=bits)
+    transposed = quantize(x.transpose(-1, -2), bits=bits, group_size=16)  # rows = channels, groups of 16 tokens
+    assert torch.equal(q.scale, transposed.scale.transpose(-1, -2))
+    assert torch.equal(q.zero, transposed.zero.transpose(-1, -2))
+    assert torch.equal(unpack(q.codes, bits), unpack(transposed.codes, bits).transpose(-1, -2))
+    assert torch.equal(q.codes, pack(unpack(q.codes, bits), bits))
+
+
+def test_per_channel_constant_channels_and_empty_blocks_dequantize_exactly():
+    x = torch.tensor([0.0, 300.0, -1.5, 7.25]).repeat(64, 16)  # [64 tokens, 64 channels], each channel constant
+    assert torch.equal(dequantize_per_channel(quantize_per_channel(x, token_group=32), 2), x)
+    empty = quantize_per_channel(randn(2, 0, 64), token_group=32)  # an empty history
+    assert empty.scale.shape == (2, 0, 64) and dequantize_per_channel(empty, 2).shape == (2, 0, 64)
+
+
+def test_per_channel_errors():
+    with pytest.raises(ValueError, match="multiple of token_group=32"):
+        quantize_per_channel(randn(40, 64), token_group=32)
+    x = randn(32, 64)
+    x[3, 5] = float("nan")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        quantize_per_channel(x, token_group=32)
+    x[3, 5] = 1e6
+    with pytest.raises(ValueError, match="scale_dtype"):
+        quantize_per_channel(-x, token_group=32, scale_dtype=torch.float16)

@@ -15,6 +15,7 @@ from ..config import OscarConfig
 from ..rotations import OscarRotations
 
 NO_CLIP = {"k_clip": 1.0, "v_clip": 1.0}
+AS_PUBLISHED = {"quantizer": "uniform", "centering": False, **NO_CLIP}  # the baselines, without our additions
 
 
 @dataclass(frozen=True)
@@ -40,22 +41,58 @@ METHODS: dict[str, Method] = {
             "int4",
             "INT4 per token, group 128 (or head_dim), identity rotation, no clipping",
             "identity",
-            {"bits": 4, "group_size": "min(128, head_dim)", "quantizer": "uniform", **NO_CLIP},
+            {"bits": 4, "group_size": "min(128, head_dim)", **AS_PUBLISHED},
         ),
         Method(
             "naive-int2",
             "INT2 per token, identity rotation, no clipping",
             "identity",
-            {"quantizer": "uniform", **NO_CLIP},
+            AS_PUBLISHED,
         ),
         Method(
             "quarot-int2",
             "INT2 per token, Hadamard rotation, no clipping",
             "hadamard",
-            {"quantizer": "uniform", **NO_CLIP},
+            AS_PUBLISHED,
         ),
-        Method("oscar", "INT2 per token, calibrated rotations, clipping", "calibrated", {"quantizer": "uniform"}),
-        Method("oscar-lloyd-max", "as oscar, with Lloyd-Max levels", "calibrated", {"quantizer": "lloyd-max"}),
+        # KIVI keeps a full-precision residual of R = 128 tokens (its code: V's is exactly 128, K's 0..127, since
+        # it quantizes K's residual whenever 128 have gathered). Here K and V share one window, which holds
+        # recent_tokens .. recent_tokens + G - 1 tokens as it waits for a whole group: 112 makes it 112..143,
+        # 127.5 on average, the nearest this layout gets to 128.
+        Method(
+            "kivi-2",
+            "KIVI-2: INT2, K per channel in groups of 32 tokens, V per token in groups of 32 channels, identity "
+            "rotation, no clipping, no sink, full-precision residual of 112 to 143 tokens (KIVI's R = 128)",
+            "identity",
+            {
+                "bits": 2,
+                "key_quantization": "per-channel",
+                "flush_tokens": 32,
+                "group_size": 32,
+                "sink_tokens": 0,
+                "recent_tokens": 112,
+                "scale_dtype": "float16",
+                **AS_PUBLISHED,
+            },
+        ),
+        Method(
+            "oscar",
+            "INT2 per token, calibrated rotations, clipping, centering",
+            "calibrated",
+            {"quantizer": "uniform", "centering": True},
+        ),
+        Method(
+            "oscar-uncentered",
+            "as oscar, without centering (the published method)",
+            "calibrated",
+            {"quantizer": "uniform", "centering": False},
+        ),
+        Method(
+            "oscar-lloyd-max",
+            "as oscar, with Lloyd-Max levels",
+            "calibrated",
+            {"quantizer": "lloyd-max", "centering": True},
+        ),
     )
 }
 

@@ -5,15 +5,30 @@ from __future__ import annotations
 
 import torch
 
-from ..quantizer import QuantizedRows, quantize
+from ..quantizer import QuantizedRows, quantize, quantize_per_channel
 from . import naive
 
 
 def quantize_kv(
-    key: torch.Tensor, value: torch.Tensor, *, k_clip: float, v_clip: float, **kwargs
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    k_clip: float,
+    v_clip: float,
+    key_token_group: int | None = None,
+    **kwargs,
 ) -> tuple[QuantizedRows, QuantizedRows]:
-    """The torch writer: ``quantizer.quantize`` on K and on V (same keyword arguments otherwise)."""
-    return quantize(key, clip=k_clip, **kwargs), quantize(value, clip=v_clip, **kwargs)
+    """The torch writer: ``quantizer.quantize`` on K and on V (same keyword arguments otherwise).
+
+    With ``key_token_group`` G (per-channel K, which the Triton write kernel does not do), K ``[..., N, D]``
+    (N a multiple of G) goes through ``quantizer.quantize_per_channel`` instead, unclipped: OscarConfig
+    requires ``k_clip=1.0`` and the uniform quantizer with per-channel K.
+    """
+    values = quantize(value, clip=v_clip, **kwargs)
+    if key_token_group is None:
+        return quantize(key, clip=k_clip, **kwargs), values
+    bits, scale_dtype = kwargs["bits"], kwargs["scale_dtype"]
+    return quantize_per_channel(key, token_group=key_token_group, bits=bits, scale_dtype=scale_dtype), values
 
 
 ATTENTION_BACKENDS = {"torch": naive.attend}

@@ -20,7 +20,8 @@ def attend(
         query: rotated queries ``[B, Hq, q, D]`` in the model dtype.
         key, value: OscarKV handles; the ``q`` newest tokens are read at full precision from ``.new``
             (the current chunk is attended unquantized, as in the OSCAR reference).
-        attention_mask: bool ``[B, 1, q, T]`` (True = attend) or None (causal, aligned bottom-right).
+        attention_mask: bool ``[B, 1, q, ≥ T]`` (True = attend; a compileable cache's mask is longer than the
+            sequence) or None (causal, aligned bottom-right).
     Returns:
         ``[B, q, Hq, D]`` in the rotated V basis.
     """
@@ -29,6 +30,8 @@ def attend(
     k = torch.cat([layer.materialize("key", past), key.new], dim=2)
     v = torch.cat([layer.materialize("value", past), value.new], dim=2)
     q_len, kv_len = query.shape[2], k.shape[2]
+    if attention_mask is not None:
+        attention_mask = attention_mask[..., :kv_len]
     if attention_mask is None and 1 < q_len < kv_len:
         attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
     out, _ = sdpa_attention_forward(module, query, k, v, attention_mask, scaling=scaling)

@@ -21,6 +21,9 @@ out of the element loop (per token and group):
   ``Σ p·(z + c̄·s) - (M + c̄)·Σ(p·s)`` (c̄ the middle code; the same rounded ``p·s``) is added once per
   token: the offset cancels up to fp32 accumulation, and the rounding of ``p·s`` weighs ``|c - c̄|``.
 
+Centering (the history holds ``x - μ``, ``μ`` one fp32 vector per row and KV head): history logits get
+``q·μ_K`` (once per program), and a history split's output gets ``(Σ p)·μ_V`` when it is normalised.
+
 The attention mask ``[B, 1, 1, T]`` (True = attend) is read per key (prefetched a tile ahead with the scales and
 zeros) and applied to the logits as ``-inf``, so left padding is exact. bf16 and fp16 only: fp32 models (and the
 layouts of :func:`kernel_supports`' other cases) run ``naive.attend``.
@@ -117,11 +120,12 @@ def _meta(ks, kz, vs, vz, n, live, stride_sn, NG: tl.constexpr):
 
 @triton.jit
 def _attend_codes(
-    qs, m, den, accs, lo, hi, pos0, kc, ks, kz, vc, vs, vz, stride_cn, stride_sn, mask_row, stride_mt, qk_scale,
+    qs, m, den, accs, lo, hi, pos0, kc, ks, kz, vc, vs, vz, stride_cn, stride_sn, mask_row, stride_mt, qk_scale, q_mu,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, DT: tl.constexpr,
     MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr, FAST_UNPACK: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
-    """History tokens ``[lo, hi)``. ``qs``/``accs``: tuples of the ``8/bits`` channel sub-tiles ``[BLOCK_H, W]``.
+    """History tokens ``[lo, hi)``. ``qs``/``accs``: tuples of the ``8/bits`` channel sub-tiles ``[BLOCK_H, W]``;
+    ``q_mu [BLOCK_H]``: added to every logit (``q·μ_K`` when centered, else 0).
 
     The codes are pipelined by Triton (cp.async, ``num_stages``); scale, zero and mask bytes are too narrow for
     that, so they are prefetched by hand one tile ahead (loop-carried registers).
@@ -154,7 +158,7 @@ def _attend_codes(
         mask_next = _mask_bytes(mask_row, stride_mt, pos0 + n_next, n_next < hi, HAS_MASK)
         kb = tl.load(kc + n[None, :] * stride_cn + byte[:, None], mask=(n < hi)[None, :], other=0)  # [W, BLOCK_N]
         vb = tl.load(vc + n[:, None] * stride_cn + byte[None, :], mask=(n < hi)[:, None], other=0)  # [BLOCK_N, W]
-        logits = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+        logits = tl.zeros([BLOCK_H, BLOCK_N], tl.float32) + q_mu[:, None]
         for g in tl.static_range(NG):
             qk = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
             for j in tl.static_range(SUBS_PER_GROUP):  # (an index assigned in a runtime loop stops being constexpr)
@@ -219,12 +223,13 @@ def _decode_stage1_kernel(
     rk_ptr, rv_ptr, stride_rec_b, stride_rec_h, stride_rec_n,
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
     stride_cb, stride_ch, stride_cn, stride_zb, stride_zh, stride_zn,
+    mu_k_ptr, mu_v_ptr, stride_mu_b, stride_mu_h,
     mask_ptr, stride_mb, stride_mt,
     part_o_ptr, part_lse_ptr,
     n_sink, n_hist, n_recent, hist_chunk, hist_splits, win_chunk, sink_splits, total_splits,
     H, qk_scale,
     G_Q: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, HAS_MASK: tl.constexpr, DT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, HAS_MASK: tl.constexpr, CENTERED: tl.constexpr, DT: tl.constexpr,
     MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr, FAST_UNPACK: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
     NSUB: tl.constexpr = 8 // BITS
@@ -246,15 +251,27 @@ def _decode_stage1_kernel(
     m = tl.full([BLOCK_H], -1.0e30, tl.float32)  # finite: a fully masked tile leaves alpha = 1 and p = 0
     den = tl.zeros([BLOCK_H], tl.float32)
     if split < hist_splits:
+        q_mu = tl.zeros([BLOCK_H], tl.float32)  # q·μ_K, in logit units
+        if CENTERED:
+            mu_k = mu_k_ptr + b * stride_mu_b + h * stride_mu_h + cols
+            for i in tl.static_range(NSUB):
+                q_mu += tl.sum(qs[i].to(tl.float32) * tl.load(mu_k + i * W)[None, :], axis=1)
+            q_mu = q_mu * qk_scale
         lo = split * hist_chunk
         code_off = b * stride_cb + h * stride_ch
         meta_off = b * stride_zb + h * stride_zh
         m, den, accs = _attend_codes(
             qs, m, den, accs, lo, tl.minimum(lo + hist_chunk, n_hist), n_sink,
             kc_ptr + code_off, ks_ptr + meta_off, kz_ptr + meta_off, vc_ptr + code_off, vs_ptr + meta_off,
-            vz_ptr + meta_off, stride_cn, stride_zn, mask_row, stride_mt, qk_scale,
+            vz_ptr + meta_off, stride_cn, stride_zn, mask_row, stride_mt, qk_scale, q_mu,
             BITS, GROUP, BLOCK_N, HAS_MASK, DT, MAGIC_BITS, MAGIC_VALUE, FAST_UNPACK, FP32_DOT,
         )
+        if CENTERED:  # Σ p·μ_V, μ_V split into the output's channel sub-tiles
+            mu_v = mu_v_ptr + b * stride_mu_b + h * stride_mu_h + cols
+            new_accs = ()
+            for i in tl.static_range(NSUB):
+                new_accs = new_accs + (accs[i] + den[:, None] * tl.load(mu_v + i * W)[None, :],)
+            accs = new_accs
     else:  # one code path for sink and recent chunks (pointers chosen per program)
         in_sink = split < hist_splits + sink_splits
         lo = (split - hist_splits - tl.where(in_sink, 0, sink_splits)) * win_chunk
@@ -326,9 +343,10 @@ def kernel_supports(query: torch.Tensor, layer, attention_mask: torch.Tensor | N
         # the newest token must be stored at full precision (naive reads it from key.new): recent_tokens >= 1
         and not (layer.n_recent == 0 and layer.n_history > 0)
         and layer.dtype == query.dtype
+        and cfg.key_quantization == "per-token"  # per-channel K scales (KIVI's layout): naive.attend
         and (query.is_cuda or triton.knobs.runtime.interpret)
         and (attention_mask is None or (attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1
-                                        and attention_mask.shape[-1] == layer.length))
+                                        and attention_mask.shape[-1] >= layer.length))
     )
 
 
@@ -350,9 +368,10 @@ def decode(
         query: rotated queries ``[B, Hq, 1, D]``, bf16 or fp16; ``Hq = g·H`` (query head ``h·g + r`` reads
             KV head ``h``); D in 64, 128, 256.
         layer: an OscarLayer (uses ``sink``, ``history``, ``recent``, the counts, ``config.bits``,
-            ``group_size``); its windows are ``[B, H, cap, D]`` in the query dtype, codes uint8
+            ``group_size``, ``center``); its windows are ``[B, H, cap, D]`` in the query dtype, codes uint8
             ``[B, H, cap, D·bits/8]``, scale and zero ``[B, H, cap, D/group]``.
-        attention_mask: bool ``[B or 1, 1, 1, T]`` (True = attend), ``T = layer.length``, or None.
+        attention_mask: bool ``[B or 1, 1, 1, ≥ T]`` (True = attend; key ``t`` at column ``t``), ``T = layer.length``,
+            or None.
         scaling: logit scale (None: ``D**-0.5``).
         config: launch parameters (None: :func:`default_config`).
     Returns:
@@ -385,17 +404,21 @@ def decode(
     scaling = d**-0.5 if scaling is None else scaling
     interpreting = triton.knobs.runtime.interpret
     hist_strides = hist["key_codes"].stride()[:3] + hist["key_scale"].stride()[:3]
+    center = layer.center if layer.is_centered else None
+    mu = (center["key"], center["value"], *center["key"].stride()[:2]) if center else (mask, mask, 0, 0)
     _decode_stage1_kernel[(batch * heads, total)](
         query, query.stride(0), query.stride(1),
         _storage(sink["key"]), _storage(sink["value"]), *sink["key"].stride()[:3],
         _storage(recent["key"]), _storage(recent["value"]), *recent["key"].stride()[:3],
         *codes, *hist_strides,
+        *mu,
         mask, *mask_strides,
         part_o, part_lse,
         layer.n_sink, layer.n_history, layer.n_recent, hist_chunk, hist_splits, win_chunk, sink_splits, total,
         heads, scaling * LOG2E,
         G_Q=group_q, BLOCK_H=max(16, triton.next_power_of_2(group_q)), D=d, BITS=layer.config.bits,
         GROUP=layer.group_size, BLOCK_N=cfg.block_n, BLOCK_W=WINDOW_BLOCK[d], HAS_MASK=attention_mask is not None,
+        CENTERED=center is not None,
         DT=dt, MAGIC_BITS=magic_bits, MAGIC_VALUE=magic_value, FAST_UNPACK=cfg.fast_unpack and not interpreting,
         FP32_DOT=dt == tl.bfloat16 and interpreting, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -1,0 +1,643 @@
+"""End-to-end ``model.generate`` benchmark on one GPU: the OSCAR cache against transformers' BF16 caches.
+
+    PYTHONPATH=. python eval/bench_generate.py [--models M,..] [--methods X,..] [--lengths T,..] [--batches B,..]
+                                               [--steps N] [--warmup W] [--budget-s S] [--out DIR]
+    PYTHONPATH=. python eval/bench_generate.py --smoke [--device cpu]   # tiny random models, < 1 minute on a CPU
+
+Models: random-weight bf16 models of real shapes (Qwen3-8B, Llama-3.1-8B) built from their configs directly on the
+device (transformers' own init: normal std 0.02, norms at 1); every case checks that no logit is NaN or +inf.
+
+Methods (--methods):
+
+* ``oscar``: ``OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model)``, the default
+  OscarConfig (INT2, sink 64, recent 256; backend "auto": the Triton kernels on CUDA);
+* ``oscar-compiled``: the same with ``max_cache_len=T+N``: static buffers and a fixed mask size make the cache
+  compileable, so generate compiles the decode forward (inductor, "reduce-overhead") around the cache update and
+  the attention, which stay eager (graph breaks);
+* ``bf16-dynamic``: ``DynamicCache(config=model.config)``, eager;
+* ``bf16-static-compiled``: ``StaticCache(config=model.config, max_cache_len=...)``, the cache that
+  ``cache_implementation="static"`` builds; generate compiles its decode forward with transformers' default
+  ``CompileConfig`` (inductor, "reduce-overhead"). The ``compiled`` column is generate's own test
+  (``_valid_auto_compile_criteria``), ``graphs`` the graphs torch.compile made during the call;
+* ``quantized-quanto``, ``quantized-hqq``: ``QuantizedCache(backend, config=model.config, nbits=2)``, or
+  "not-installed" rows when the backend does not import.
+
+Decode, per (model, method, T, batch): a fresh cache is filled with T tokens of random bf16 K/V through each layer's
+``cache.update`` in chunks (for OSCAR the real rotate, quantize and pack write path; ``fill_s``), then
+``model.generate(input_ids=<T+1 random ids>, attention_mask=ones, past_key_values=cache, max_new_tokens=N,
+min_new_tokens=N, do_sample=False)`` runs N = warmup + steps + 1 one-token forward passes: generate feeds only the
+last prompt token, and the cache must go from T to T+N tokens. A logits processor records a CUDA event after every
+step. ``ms_per_step`` and ``decode_tok_s`` (batch x steps / seconds) come from the steps after the first ``warmup``
+decode steps; ``compile_s`` is what the warm-up steps took beyond as many timed steps (torch.compile and CUDA-graph
+capture for the compiled method). ``peak_mem_gb``: torch.cuda.max_memory_allocated during the generate call, i.e.
+weights + cache + decode working set (``base_mem_gb``: allocated before the cache). ``cache_gb``: the bytes of the
+cache's tensors after the call (``cache.nbytes`` for OSCAR). Memory in GiB. Cases whose cache alone cannot fit in
+the free memory are reported as "oom (...)" without being run.
+
+Prefill (``prefill_s``): a real ``generate(max_new_tokens=1)`` over T random tokens at batch 1, and at the grid's
+second batch (8) for the shortest T, eager for every method (``disable_compile``); it is retried with
+``prefill_chunk_size`` when it runs out of memory. The LM head must compute one position per forward
+(generate's ``logits_to_keep=1``).
+
+Capacity (``kind=capacity``): for bf16-dynamic and oscar, the largest batch at the longest T whose fill and decode
+fit in device memory: a batch-1 run gives the bytes per sequence, and batches are tried up (or down) from the one they
+predict, catching and freeing each out-of-memory error.
+
+Order: per model, the decode grid method by method, batch by batch, shortest T first, then prefill, then capacity
+(the large batches and the out-of-memory searches last). No case starts after --budget-s seconds (its row says
+"skipped: time budget"). Writes bench_generate_<gpu>.csv, .log (header, progress and table) and .png (decode tok/s
+against T per method, at the smallest and the largest batch) under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import functools
+import gc
+import importlib.util
+import itertools
+import math
+import os
+import re
+import subprocess
+import time
+import traceback
+from dataclasses import dataclass, replace
+from importlib import metadata
+from pathlib import Path
+from typing import Callable
+
+import torch
+import transformers
+from transformers import (
+    AutoModelForCausalLM,
+    DynamicCache,
+    LogitsProcessor,
+    LogitsProcessorList,
+    QuantizedCache,
+    StaticCache,
+)
+
+from oscar_hf import ModelShape, OscarConfig, OscarQuantizedCache, OscarRotations
+
+START = time.perf_counter()
+GIB = 1 << 30
+QUANTIZED_BITS = 2  # QuantizedCache at OSCAR's bit width
+
+_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+           max_position_embeddings=262144)  # above every T benchmarked (it does not change any shape)
+_TINY = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=2,
+             intermediate_size=256, vocab_size=512, max_position_embeddings=4096)
+MODELS = {  # name: (transformers config class, its fields)
+    "qwen3-8b": ("Qwen3Config", dict(_8B, num_hidden_layers=36, intermediate_size=12288, vocab_size=151936,
+                                     rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    "llama3.1-8b": ("LlamaConfig", dict(_8B, num_hidden_layers=32, intermediate_size=14336, vocab_size=128256,
+                                        rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                         "original_max_position_embeddings": 8192})),
+    "qwen3-tiny": ("Qwen3Config", _TINY),
+    "llama-tiny": ("LlamaConfig", _TINY),
+}
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Settings of a run: the grid, the steps, and sizes that scale with the models."""
+
+    models: tuple[str, ...]
+    lengths: tuple[int, ...]
+    batches: tuple[int, ...]
+    steps: int  # timed decode steps
+    warmup: int  # decode steps before them
+    max_batch: int  # where the capacity search stops
+    prefill_chunk: int  # prefill_chunk_size of the retry when an unchunked prefill runs out of memory
+    fill_chunk_bytes: int  # K+V bytes per cache.update when filling a cache
+    budget_s: float  # no case starts later than this, counted from the end of the imports (~15 s on a GPU host)
+
+
+FULL = Profile(("qwen3-8b", "llama3.1-8b"), (4096, 32768, 131072), (1, 8, 32), steps=16, warmup=3, max_batch=512,
+               prefill_chunk=16384, fill_chunk_bytes=256 << 20, budget_s=460)
+SMOKE = Profile(("qwen3-tiny", "llama-tiny"), (128, 512), (1, 4), steps=4, warmup=2, max_batch=6,
+                prefill_chunk=256, fill_chunk_bytes=64 << 10, budget_s=math.inf)
+
+
+@dataclass(frozen=True)
+class Method:
+    """A KV cache to benchmark."""
+
+    name: str
+    attention: str  # the attn_implementation the model needs with it
+    make: Callable  # (model, tokens it must hold) -> empty cache
+    bits: Callable  # (ModelShape, tokens) -> stored bits per K/V element, at least (for the memory pre-check)
+    requires: str | None = None  # module that must import, else the rows say "not-installed"
+    chunked_fill: bool = True  # False: one update per layer (QuantizedCache re-quantizes everything per update)
+
+    def installed(self) -> bool:
+        if self.requires is None:
+            return True
+        try:
+            return importlib.util.find_spec(self.requires) is not None
+        except ModuleNotFoundError:  # its parent package is missing
+            return False
+
+
+def _oscar(model: torch.nn.Module, tokens: int, static: bool = False) -> OscarQuantizedCache:
+    return OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model,
+                                               max_cache_len=tokens if static else None)
+
+
+def _quantized(backend: str) -> Callable:
+    return lambda model, tokens: QuantizedCache(backend=backend, config=model.config, nbits=QUANTIZED_BITS)
+
+
+METHODS = {m.name: m for m in (
+    Method("oscar", "oscar", _oscar, lambda shape, tokens: OscarConfig().bits_per_element(shape.head_dim, tokens)),
+    Method("oscar-compiled", "oscar", functools.partial(_oscar, static=True),
+           lambda shape, tokens: OscarConfig().bits_per_element(shape.head_dim, tokens)),
+    Method("bf16-dynamic", "sdpa", lambda model, tokens: DynamicCache(config=model.config), lambda shape, tokens: 16),
+    Method("bf16-static-compiled", "sdpa",
+           lambda model, tokens: StaticCache(config=model.config, max_cache_len=tokens), lambda shape, tokens: 16),
+    Method("quantized-quanto", "sdpa", _quantized("quanto"), lambda shape, tokens: QUANTIZED_BITS,
+           requires="optimum.quanto", chunked_fill=False),
+    Method("quantized-hqq", "sdpa", _quantized("hqq"), lambda shape, tokens: QUANTIZED_BITS, requires="hqq",
+           chunked_fill=False),
+)}
+CAPACITY_METHODS = ("oscar", "bf16-dynamic")
+
+COLUMNS = ["model", "method", "kind", "T", "batch", "prefill_s", "prefill_chunk", "decode_tok_s", "ms_per_step",
+           "compile_s", "fill_s", "generate_s", "compiled", "graphs", "base_mem_gb", "peak_mem_gb", "cache_gb",
+           "status", "prefill_status"]
+TABLE = ["model", "method", "kind", "T", "batch", "prefill_s", "decode_tok_s", "ms_per_step", "compile_s",
+         "peak_mem_gb", "cache_gb", "status"]
+LOG: list[str] = []
+
+
+def say(line: str) -> None:
+    """Print a progress line now, and keep it for the .log file."""
+    print(line, flush=True)
+    LOG.append(line)
+
+
+# ------------------------------------------------------------------------------------------------ setup
+def build_model(name: str, device: torch.device) -> torch.nn.Module:
+    """A random-weight bf16 ``MODELS[name]``, initialized directly on ``device``, in eval mode."""
+    config_class, fields = MODELS[name]
+    config = getattr(transformers, config_class)(**fields)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    if not model._supports_logits_to_keep():
+        raise RuntimeError(f"{name}: forward takes no logits_to_keep, so generate would compute logits over the prompt")
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def environment(device: torch.device) -> dict:
+    """Device name, library versions and git commit: the header, and columns of every CSV row."""
+    try:
+        commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):  # a copy of the tree without .git
+        commit = os.environ.get("GIT_COMMIT", "unknown")
+    try:
+        triton = metadata.version("triton")
+    except metadata.PackageNotFoundError:
+        triton = "not installed"
+    cuda = device.type == "cuda"
+    return {"gpu": torch.cuda.get_device_name(device) if cuda else "cpu",
+            "gpu_gib": round(torch.cuda.get_device_properties(device).total_memory / GIB, 1) if cuda else None,
+            "torch": torch.__version__, "transformers": transformers.__version__, "triton": triton, "commit": commit}
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def out_of_time(profile: Profile) -> bool:
+    return time.perf_counter() - START > profile.budget_s
+
+
+# ----------------------------------------------------------------------------------------------- timing
+def timestamp(device: torch.device):
+    """A point in time without synchronizing: a CUDA event recorded on the current stream, or the host clock."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def seconds(start, stop) -> float:
+    """Seconds between two timestamps (waits for the later CUDA event)."""
+    if isinstance(start, float):
+        return stop - start
+    stop.synchronize()
+    return start.elapsed_time(stop) / 1e3
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+class StepClock(LogitsProcessor):
+    """Passed to generate: after each forward pass, a timestamp and the number of compiled graphs so far, and
+    (on the device, without synchronizing) whether every score so far was below +inf, NaN excluded (-inf is how
+    other logits processors mask tokens)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.marks, self.graphs = [], []
+        self.finite = torch.ones((), dtype=torch.bool, device=device)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.finite &= (scores < math.inf).all()
+        self.marks.append(timestamp(self.device))
+        self.graphs.append(compiled_graphs())
+        return scores
+
+    def check(self, steps: int) -> None:
+        if len(self.marks) != steps:
+            raise RuntimeError(f"generate ran {len(self.marks)} steps instead of {steps}")
+        if not self.finite.item():
+            raise RuntimeError("NaN or +inf logits")
+
+
+@contextlib.contextmanager
+def lm_head_positions(model: torch.nn.Module):
+    """Yields a list that receives, for every call of the LM head, the number of positions it computed."""
+    positions = []
+    handle = model.get_output_embeddings().register_forward_hook(lambda mod, args, out: positions.append(out.shape[-2]))
+    try:
+        yield positions
+    finally:
+        handle.remove()
+
+
+# ------------------------------------------------------------------------------------------------ cases
+def tensor_bytes(obj) -> int:
+    """Bytes held by the tensors in ``obj`` (tensor subclasses by their inner tensors; tuples, lists, dicts)."""
+    if isinstance(obj, torch.Tensor):
+        if hasattr(obj, "__tensor_flatten__"):
+            return sum(tensor_bytes(getattr(obj, name)) for name in obj.__tensor_flatten__()[0])
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (tuple, list)):
+        return sum(tensor_bytes(item) for item in obj)
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(item) for item in obj.values())
+    return 0
+
+
+def cache_bytes(cache) -> int:
+    """``cache.nbytes`` for OSCAR; else the bytes of every layer's K/V tensors, quantized ones included."""
+    if isinstance(cache, OscarQuantizedCache):
+        return cache.nbytes
+    names = ("keys", "values", "_quantized_keys", "_quantized_values")
+    return sum(tensor_bytes([getattr(layer, name, None) for name in names]) for layer in cache.layers)
+
+
+def check_length(cache, expected: int) -> None:
+    length = int(cache.get_seq_length())
+    if length != expected:
+        raise RuntimeError(f"the cache holds {length} tokens, expected {expected}")
+
+
+@torch.no_grad()
+def fill_cache(cache, shape: ModelShape, batch: int, tokens: int, chunk_bytes: int | None, device: torch.device):
+    """Write ``tokens`` tokens of random bf16 K/V into every layer through ``cache.update``, chunk by chunk with all
+    layers per chunk, as a chunked prefill would (``chunk_bytes`` None: one chunk). One random chunk is reused:
+    values do not change timings."""
+    per_token = batch * shape.num_kv_heads * shape.head_dim * 2 * 2
+    chunk = tokens if chunk_bytes is None else max(1, min(tokens, chunk_bytes // per_token))
+    kv = torch.randn(2, batch, shape.num_kv_heads, chunk, shape.head_dim, dtype=torch.bfloat16, device=device)
+    for start in range(0, tokens, chunk):
+        n = min(chunk, tokens - start)
+        for layer in range(shape.num_layers):
+            cache.update(kv[0, :, :, :n], kv[1, :, :, :n], layer)
+
+
+def random_ids(model: torch.nn.Module, batch: int, tokens: int) -> torch.Tensor:
+    return torch.randint(model.config.vocab_size, (batch, tokens), device=model.device)
+
+
+def measure_decode(model: torch.nn.Module, method: Method, length: int, batch: int, profile: Profile) -> dict:
+    """Fill a fresh ``method`` cache with ``length`` tokens at ``batch``, then time generate's decode steps over it."""
+    device, shape = model.device, ModelShape.from_config(model.config)
+    new_tokens = profile.warmup + profile.steps + 1
+    cuda = device.type == "cuda"
+    base = torch.cuda.memory_allocated(device) if cuda else None
+    cache = method.make(model, length + new_tokens)
+    start = timestamp(device)
+    fill_cache(cache, shape, batch, length, profile.fill_chunk_bytes if method.chunked_fill else None, device)
+    fill_s = seconds(start, timestamp(device))
+    check_length(cache, length)
+    ids = random_ids(model, batch, length + 1)
+    clock = StepClock(device)
+    compiled = model._valid_auto_compile_criteria({"past_key_values": cache}, model.generation_config)
+    graphs = compiled_graphs()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    start = timestamp(device)
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                         logits_processor=LogitsProcessorList([clock]))
+    generate_s = seconds(start, timestamp(device))
+    clock.check(new_tokens)
+    check_length(cache, length + new_tokens)
+    if out.shape != (batch, length + 1 + new_tokens):
+        raise RuntimeError(f"generate returned {tuple(out.shape)}")
+    timed_s = seconds(clock.marks[profile.warmup], clock.marks[-1])
+    step_s = timed_s / profile.steps
+    result = {"decode_tok_s": batch * profile.steps / timed_s, "ms_per_step": 1e3 * step_s,
+              "compile_s": max(0.0, seconds(clock.marks[0], clock.marks[profile.warmup]) - profile.warmup * step_s),
+              "fill_s": fill_s, "generate_s": generate_s, "compiled": compiled,
+              "graphs": clock.graphs[-1] - graphs, "cache_gb": cache_bytes(cache) / GIB,
+              "base_mem_gb": base / GIB if cuda else None,
+              "peak_mem_gb": torch.cuda.max_memory_allocated(device) / GIB if cuda else None}
+    if clock.graphs[-1] != clock.graphs[profile.warmup]:
+        result["status"] = "error: torch.compile compiled during the timed steps (raise --warmup)"
+    return result
+
+
+def measure_prefill(model: torch.nn.Module, method: Method, length: int, batch: int, chunk: int | None) -> dict:
+    """Time a real eager prefill: ``generate(max_new_tokens=1)`` over ``length`` random tokens, chunked if ``chunk``."""
+    device = model.device
+    cache = method.make(model, length + 1)
+    ids = random_ids(model, batch, length)
+    clock = StepClock(device)
+    with lm_head_positions(model) as positions:
+        start = timestamp(device)
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=1,
+                       min_new_tokens=1, do_sample=False, prefill_chunk_size=chunk, disable_compile=True,
+                       logits_processor=LogitsProcessorList([clock]))
+    prefill_s = seconds(start, clock.marks[0])
+    clock.check(1)
+    check_length(cache, length)
+    if set(positions) != {1}:
+        raise RuntimeError(f"the LM head computed {max(positions)} positions in one forward, not 1 (logits_to_keep)")
+    return {"prefill_s": prefill_s, "prefill_chunk": chunk or 0}
+
+
+def is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def describe(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"error: {type(exc).__name__}" + (f": {lines[0][:200]}" if lines else "")
+
+
+def attempt(fn: Callable, *args) -> dict:
+    """``{"status": "ok", **fn(*args)}``, or only a status ("oom", "error: ...") if it raises; frees memory after."""
+    try:
+        return {"status": "ok", **fn(*args)}
+    except Exception as exc:  # one failing case must not end the run
+        if is_oom(exc):
+            return {"status": "oom"}
+        traceback.print_exc()
+        return {"status": describe(exc)}
+    finally:
+        free_memory()
+
+
+def use_attention(model: torch.nn.Module, method: Method) -> None:
+    if model.config._attn_implementation != method.attention:
+        model.set_attn_implementation(method.attention)
+
+
+def decode_case(model: torch.nn.Module, method: Method, length: int, batch: int, profile: Profile) -> dict:
+    """One decode row: measured, or why not (not installed, time budget, a cache larger than the free memory)."""
+    if not method.installed():
+        return {"status": "not-installed"}
+    if out_of_time(profile):
+        return {"status": "skipped: time budget"}
+    if model.device.type == "cuda":
+        shape = ModelShape.from_config(model.config)
+        elements = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * length * batch
+        needed, free = method.bits(shape, length) * elements / 8 / GIB, torch.cuda.mem_get_info(model.device)[0] / GIB
+        if needed > free:
+            return {"status": f"oom (the cache needs {needed:.1f} GiB, {free:.1f} GiB free)"}
+    return attempt(measure_decode, model, method, length, batch, profile)
+
+
+def prefill_case(model: torch.nn.Module, method: Method, length: int, batch: int, profile: Profile) -> dict:
+    """Prefill columns: unchunked, or chunked by ``profile.prefill_chunk`` if that runs out of memory."""
+    if out_of_time(profile):
+        return {"prefill_status": "skipped: time budget"}
+    result = attempt(measure_prefill, model, method, length, batch, None)
+    if result["status"] == "oom" and length > profile.prefill_chunk:
+        result = attempt(measure_prefill, model, method, length, batch, profile.prefill_chunk)
+    return {"prefill_s": result.get("prefill_s"), "prefill_chunk": result.get("prefill_chunk"),
+            "prefill_status": result["status"]}
+
+
+def capacity_case(model: torch.nn.Module, method: Method, length: int, profile: Profile) -> dict:
+    """The largest batch at ``length`` tokens whose fill and decode fit: a batch-1 run gives the memory per sequence,
+    then batches are tried one by one up from the batch it predicts while they fit (or down until one fits)."""
+    tried = {1: decode_case(model, method, length, 1, profile)}
+    if tried[1]["status"] != "ok":
+        return {"batch": 1, **tried[1]}
+    batch = profile.max_batch
+    if tried[1]["peak_mem_gb"] is not None:
+        per_sequence = tried[1]["peak_mem_gb"] - tried[1]["base_mem_gb"]
+        batch = min(batch, max(1, int(torch.cuda.mem_get_info(model.device)[0] / GIB // per_sequence)))
+    while 1 <= batch <= profile.max_batch and not out_of_time(profile):
+        if batch not in tried:
+            tried[batch] = attempt(measure_decode, model, method, length, batch, profile)
+            say(f"    capacity {method.name} T={length} B={batch}: {tried[batch]['status']}")
+        batch += 1 if tried[batch]["status"] == "ok" else -1
+        if batch in tried:
+            break
+    best = max(b for b, result in tried.items() if result["status"] == "ok")
+    if best == profile.max_batch:
+        limit = "the largest batch searched"
+    else:
+        limit = f"batch {best + 1}: " + (tried[best + 1]["status"] if best + 1 in tried else "not tried, time budget")
+    return {**tried[best], "batch": best, "status": f"ok ({limit})"}
+
+
+# ------------------------------------------------------------------------------------------------- runs
+def prefill_cases(profile: Profile) -> list[tuple[int, int]]:
+    """(T, batch) of the prefill runs: the smallest grid batch (1) at every T, the second one (8) at the shortest T."""
+    batches, lengths = sorted(profile.batches), sorted(profile.lengths)
+    return [(length, batches[0]) for length in lengths] + [(lengths[0], batch) for batch in batches[1:2]]
+
+
+DECODE_FIELDS = ("decode_tok_s", "ms_per_step", "compile_s", "graphs", "fill_s", "peak_mem_gb", "cache_gb", "status")
+PREFILL_FIELDS = ("prefill_s", "prefill_chunk", "prefill_status")
+
+
+def progress(row: dict, fields: tuple[str, ...]) -> None:
+    values = " ".join(f"{k}={cell(row[k])}" for k in fields if row.get(k) is not None)
+    say(f"[{time.perf_counter() - START:4.0f} s] {row['model']} {row['method']} {row['kind']} T={row['T']} "
+        f"B={row['batch']}: {values}")
+
+
+def bench_model(name: str, methods: list[Method], profile: Profile, device: torch.device) -> list[dict]:
+    """Every row of one model: the decode grid (method by method, batch by batch, shortest T first), prefill,
+    capacity. That puts the large batches last, and makes torch.compile build three graphs per model (static shapes;
+    batch 1 and any T; any batch and T) where an order by cache size would make four."""
+    start = time.perf_counter()
+    model = build_model(name, device)
+    say(f"built {name} on {device} in {time.perf_counter() - start:.1f} s "
+        f"({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters)")
+    grid = {}
+    cases = sorted(itertools.product(profile.lengths, profile.batches), key=lambda case: (case[1], case[0]))
+    for method in methods:
+        use_attention(model, method)
+        for length, batch in cases:
+            row = {"model": name, "method": method.name, "kind": "grid", "T": length, "batch": batch}
+            grid[method.name, length, batch] = row
+            row.update(decode_case(model, method, length, batch, profile))
+            progress(row, DECODE_FIELDS)
+        torch.compiler.reset()  # drops compiled graphs and their CUDA-graph memory pools
+        free_memory()
+    for method in (m for m in methods if m.installed()):
+        use_attention(model, method)
+        for length, batch in prefill_cases(profile):
+            row = grid[method.name, length, batch]
+            row.update(prefill_case(model, method, length, batch, profile))
+            progress(row, PREFILL_FIELDS)
+    capacity = []
+    for method in (m for m in methods if m.name in CAPACITY_METHODS):
+        use_attention(model, method)
+        length = max(profile.lengths)
+        capacity.append({"model": name, "method": method.name, "kind": "capacity", "T": length,
+                         **capacity_case(model, method, length, profile)})
+        progress(capacity[-1], DECODE_FIELDS)
+    return list(grid.values()) + capacity
+
+
+# ------------------------------------------------------------------------------------------------ output
+def cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def table(rows: list[dict]) -> list[str]:
+    cells = [TABLE] + [[cell(row.get(k)) for k in TABLE] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(TABLE))]
+    return ["  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in cells]
+
+
+def plot(rows: list[dict], path: Path, profile: Profile, title: str) -> None:
+    """Decode tok/s against T, one line per (model, method), one panel per batch (the smallest and the largest)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({min(profile.batches), max(profile.batches)})
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5), squeeze=False)
+    for ax, batch in zip(axes[0], panels):
+        for (i, model), (j, method) in itertools.product(enumerate(profile.models), enumerate(METHODS)):
+            points = sorted((r["T"], r["decode_tok_s"]) for r in rows if r["kind"] == "grid" and r["batch"] == batch
+                            and r["model"] == model and r["method"] == method and r["status"] == "ok")
+            if points:
+                ax.plot(*zip(*points), ["-", "--", ":", "-."][i % 4], color=f"C{j}", marker="o",
+                        label=f"{model} {method}")
+        ax.set(xscale="log", yscale="log", xlabel="prompt tokens T", ylabel="decode tokens/s", title=f"batch {batch}")
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.set_xticks(profile.lengths, [str(t) for t in profile.lengths])
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_results(rows: list[dict], env: dict, profile: Profile, out: Path, smoke: bool) -> None:
+    """The CSV, the .log (progress and table) and the plot, named after the device."""
+    out.mkdir(parents=True, exist_ok=True)
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", env["gpu"]).strip("-").lower() + ("-smoke" if smoke else "")
+    path = out / f"bench_generate_{slug}.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS + list(env), extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows({**row, **env} for row in rows)
+    for line in table(rows):
+        say(line)
+    skipped = sum("time budget" in str(row.get(k)) for row in rows for k in ("status", "prefill_status"))
+    if skipped:
+        say(f"{skipped} measurements were skipped by the time budget (--budget-s): run them with a smaller grid")
+    plot(rows, path.with_suffix(".png"), profile, " ".join(f"{k}={v}" for k, v in env.items()))
+    say(f"wrote {path} and its .log and .png ({time.perf_counter() - START:.0f} s in all)")
+    path.with_suffix(".log").write_text("\n".join(LOG) + "\n")
+
+
+def positive(text: str) -> int:
+    if int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return int(text)
+
+
+def ints(text: str) -> tuple[int, ...]:
+    return tuple(positive(x) for x in text.split(","))
+
+
+def names(known: dict) -> Callable:
+    """An argparse type: a comma-separated list of keys of ``known``."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        unknown = [name for name in text.split(",") if name not in known]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {unknown}; known: {', '.join(known)}")
+        return tuple(text.split(","))
+
+    return parse
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", type=names(MODELS), help=f"comma-separated, of {', '.join(MODELS)} "
+                   f"(default {','.join(FULL.models)})")
+    p.add_argument("--methods", type=names(METHODS), default=tuple(METHODS),
+                   help=f"comma-separated (default {','.join(METHODS)})")
+    p.add_argument("--lengths", type=ints, help=f"prompt tokens T (default {','.join(map(str, FULL.lengths))})")
+    p.add_argument("--batches", type=ints, help=f"batch sizes (default {','.join(map(str, FULL.batches))})")
+    p.add_argument("--steps", type=positive, help=f"timed decode steps (default {FULL.steps})")
+    p.add_argument("--warmup", type=positive, help=f"decode steps before them (default {FULL.warmup})")
+    p.add_argument("--budget-s", type=float, help=f"start no case after this many seconds (default {FULL.budget_s})")
+    p.add_argument("--smoke", action="store_true", help="tiny random models, small T: the whole script in < 1 minute "
+                   "on a CPU (longer on a GPU, where it also compiles)")
+    p.add_argument("--device", help="cuda or cpu (default: cuda if available; only --smoke runs on the CPU)")
+    p.add_argument("--out", default="eval/results", help="folder for the CSV, .log and .png")
+    args = p.parse_args()
+    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.device.type != "cuda" and not args.smoke:
+        p.error("the full benchmark needs a CUDA GPU (--smoke runs on the CPU)")
+    overrides = {k: getattr(args, k) for k in ("models", "lengths", "batches", "steps", "warmup", "budget_s")}
+    args.profile = replace(SMOKE if args.smoke else FULL, **{k: v for k, v in overrides.items() if v is not None})
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.device.type == "cpu":
+        torch.set_num_threads(1)  # the tiny smoke models gain nothing from threads, and a busy CPU loses a lot
+    profile, methods = args.profile, [METHODS[name] for name in args.methods]
+    env = environment(args.device)
+    say(" ".join(f"{k}={v}" for k, v in env.items()))
+    say(f"models={','.join(profile.models)} methods={','.join(args.methods)} lengths={profile.lengths} "
+        f"batches={profile.batches} steps={profile.steps} warmup={profile.warmup} budget_s={profile.budget_s}")
+    rows = []
+    for name in profile.models:
+        try:
+            rows += bench_model(name, methods, profile, args.device)
+        except Exception:  # a model that cannot be built must not end the run
+            say(f"{name}: FAILED\n{traceback.format_exc()}")
+        free_memory()
+    write_results(rows, env, profile, Path(args.out), args.smoke)
+
+
+if __name__ == "__main__":
+    main()

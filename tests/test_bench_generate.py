@@ -1,0 +1,111 @@
+"""eval/bench_generate.py: the --smoke run end to end on the CPU (about 20 s), its model shapes, and its
+out-of-memory handling with simulated errors."""
+
+import csv
+import importlib.util
+import itertools
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "eval" / "bench_generate.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("bench_generate", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = load_script()
+
+
+def test_smoke_run_writes_every_row_with_finite_numbers(tmp_path):
+    run = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--device", "cpu", "--out", str(tmp_path)],
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                         timeout=180)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    with open(tmp_path / "bench_generate_cpu-smoke.csv") as f:
+        rows = list(csv.DictReader(f))
+    profile = bench.SMOKE
+    grid = {(r["model"], r["method"], int(r["T"]), int(r["batch"])): r for r in rows if r["kind"] == "grid"}
+    assert set(grid) == set(itertools.product(profile.models, bench.METHODS, profile.lengths, profile.batches))
+    prefilled = set(bench.prefill_cases(profile))
+    for (_, method, length, batch), row in grid.items():
+        if not bench.METHODS[method].installed():
+            assert row["status"] == "not-installed"
+            continue
+        assert row["status"] == "ok", row
+        for key in ("decode_tok_s", "ms_per_step", "fill_s", "generate_s", "cache_gb"):
+            assert math.isfinite(float(row[key])) and float(row[key]) > 0, (key, row)
+        assert float(row["compile_s"]) >= 0 and row["compiled"] == "False" and row["graphs"] == "0"
+        if (length, batch) in prefilled:
+            assert row["prefill_status"] == "ok" and float(row["prefill_s"]) > 0 and row["prefill_chunk"] == "0"
+        else:
+            assert row["prefill_s"] == ""
+    capacity = [r for r in rows if r["kind"] == "capacity"]
+    assert [(r["model"], r["method"]) for r in capacity] == list(itertools.product(profile.models,
+                                                                                   bench.CAPACITY_METHODS))
+    for row in capacity:  # the CPU has no memory limit to find: the search stops at its largest batch
+        assert row["status"].startswith("ok") and int(row["batch"]) == profile.max_batch, row
+        assert float(row["decode_tok_s"]) > 0 and int(row["T"]) == max(profile.lengths)
+    assert (tmp_path / "bench_generate_cpu-smoke.png").stat().st_size > 0
+    log = (tmp_path / "bench_generate_cpu-smoke.log").read_text()
+    assert "transformers=" in log and "commit=" in log and "decode_tok_s" in log
+
+
+@pytest.mark.parametrize("name, parameters", [("qwen3-8b", 8_190_735_360), ("llama3.1-8b", 8_030_261_248)])
+def test_models_have_the_published_parameter_counts(name, parameters):
+    model = bench.build_model(name, torch.device("meta"))
+    assert sum(p.numel() for p in model.parameters()) == parameters
+
+
+class FakeDevice:
+    """Decode runs that fit up to ``fits`` sequences, each taking 1 GiB above the weights; ``free_gib`` free."""
+
+    def __init__(self, monkeypatch, fits: int, free_gib: float):
+        self.fits, self.tried = fits, []
+        monkeypatch.setattr(bench, "measure_decode", self.measure_decode)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free_gib * bench.GIB, 80 * bench.GIB))
+
+    def measure_decode(self, model, method, length, batch, profile):
+        self.tried.append(batch)
+        if batch > self.fits:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return {"peak_mem_gb": 16.0 + batch, "base_mem_gb": 16.0}
+
+
+@pytest.mark.parametrize("free_gib, tried", [(3.5, [1, 3, 4, 5, 6]), (9.5, [1, 9, 8, 7, 6, 5])])
+def test_capacity_search_starts_at_the_estimate_and_stops_at_the_first_oom(monkeypatch, free_gib, tried):
+    device = FakeDevice(monkeypatch, fits=5, free_gib=free_gib)
+    model = SimpleNamespace(device=torch.device("cpu"))  # so decode_case skips its memory pre-check
+    profile = replace(bench.FULL, max_batch=64, budget_s=math.inf)
+    result = bench.capacity_case(model, bench.METHODS["oscar"], 131072, profile)
+    assert device.tried == tried
+    assert result["batch"] == 5 and result["status"] == "ok (batch 6: oom)"
+
+
+def test_prefill_is_retried_in_chunks_after_an_oom(monkeypatch):
+    chunks = []
+
+    def measure_prefill(model, method, length, batch, chunk):
+        chunks.append(chunk)
+        if chunk is None:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return {"prefill_s": 1.5, "prefill_chunk": chunk}
+
+    monkeypatch.setattr(bench, "measure_prefill", measure_prefill)
+    profile = replace(bench.FULL, budget_s=math.inf)
+    result = bench.prefill_case(None, bench.METHODS["bf16-static-compiled"], 131072, 1, profile)
+    assert chunks == [None, profile.prefill_chunk]
+    assert result == {"prefill_s": 1.5, "prefill_chunk": profile.prefill_chunk, "prefill_status": "ok"}
