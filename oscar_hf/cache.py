@@ -193,9 +193,8 @@ class OscarLayer(CacheLayerMixin):
             tokens_per_row={f"{side}_{part}": meta[side][1] for side in meta for part in ("scale", "zero")},
         )
         if self.max_cache_len is not None:  # every buffer at its final size now: no growth during generation
-            limit = cfg.recent_tokens + cfg.flush_tokens - 1
             _reserve(self.sink, 0, min(cfg.sink_tokens, self.max_cache_len), cfg.sink_tokens)
-            _reserve(self.recent, 0, min(limit, self.max_cache_len), limit)
+            _reserve(self.recent, 0, min(self.recent_limit, self.max_cache_len), self.recent_limit)
             self.history.grow(0, max(0, self.max_cache_len - cfg.sink_tokens - cfg.recent_tokens))
         self.is_initialized = True
 

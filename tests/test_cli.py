@@ -156,7 +156,7 @@ def test_console_script():
 
 
 # ------------------------------------------------------------------------------------------ recipes
-HEAD_DIMS = {"smollm2-135m": 64, "gemma-3": 256}
+HEAD_DIMS = {"smollm2-135m": 64, "gemma-3": 256, "gemma3-270m": 256}
 
 
 @pytest.mark.parametrize("name", available_recipes())
