@@ -96,3 +96,30 @@ def test_generate_compiles_with_cuda_graphs_around_a_static_cache(dtype):
         torch.testing.assert_close(compiled.sequences, eager.sequences, rtol=0, atol=0)
     else:
         torch.testing.assert_close(compiled.logits[0].float(), eager.logits[0].float(), rtol=0, atol=0.05)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_layers_split_over_two_gpus_generate_like_one(tmp_path):
+    """from_pretrained(device_map=...) puts layers 0-1 on cuda:0 and 2-3 on cuda:1: each cache layer lives with its
+    attention layer, the Triton kernels launch on that layer's device, and the logits match a one-GPU run."""
+    from transformers import AutoModelForCausalLM
+
+    make_model("qwen3-gqa-qknorm-d128", dtype=torch.bfloat16, num_hidden_layers=4).save_pretrained(tmp_path)
+    split_map = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 0, "model.layers.2": 1,
+                 "model.layers.3": 1, "model.norm": 1, "model.rotary_emb": 1, "lm_head": 1}
+    ids = torch.randint(3, 90, (2, 40), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    runs = {}
+    for name, device_map in (("one", {"": 0}), ("two", split_map)):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, device_map=device_map)
+        cache = OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model, sink_tokens=4,
+                                                    recent_tokens=8)
+        out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=6,
+                             do_sample=False, pad_token_id=0, past_key_values=cache, output_logits=True,
+                             return_dict_in_generate=True)
+        assert all(layer.n_history > 0 for layer in cache.layers)
+        devices = [layer.sink["key"].device.index for layer in cache.layers]
+        runs[name] = (torch.stack(out.logits, 1).float().cpu(), devices)
+    assert runs["two"][1] == [0, 0, 1, 1] and runs["one"][1] == [0, 0, 0, 0]
+    torch.testing.assert_close(runs["two"][0][:, :3], runs["one"][0][:, :3], rtol=0, atol=2e-2)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..quantizer import QuantizedRows, quantize, quantize_per_channel
@@ -29,6 +31,12 @@ def quantize_kv(
         return quantize(key, clip=k_clip, **kwargs), values
     bits, scale_dtype = kwargs["bits"], kwargs["scale_dtype"]
     return quantize_per_channel(key, token_group=key_token_group, bits=bits, scale_dtype=scale_dtype), values
+
+
+def on_device_of(t: torch.Tensor):
+    """Context for a Triton launch over ``t``: Triton launches on the current CUDA device, and with
+    ``device_map="auto"`` a layer's tensors may live on another one."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 ATTENTION_BACKENDS = {"torch": naive.attend}

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import naive
+from . import naive, on_device_of
 
 LOG2E = 1.4426950408889634
 MAGIC = {torch.bfloat16: (tl.bfloat16, 0x4300, 128.0), torch.float16: (tl.float16, 0x6400, 1024.0)}
@@ -406,23 +406,24 @@ def decode(
     hist_strides = hist["key_codes"].stride()[:3] + hist["key_scale"].stride()[:3]
     center = layer.center if layer.is_centered else None
     mu = (center["key"], center["value"], *center["key"].stride()[:2]) if center else (mask, mask, 0, 0)
-    _decode_stage1_kernel[(batch * heads, total)](
-        query, query.stride(0), query.stride(1),
-        _storage(sink["key"]), _storage(sink["value"]), *sink["key"].stride()[:3],
-        _storage(recent["key"]), _storage(recent["value"]), *recent["key"].stride()[:3],
-        *codes, *hist_strides,
-        *mu,
-        mask, *mask_strides,
-        part_o, part_lse,
-        layer.n_sink, layer.n_history, layer.n_recent, hist_chunk, hist_splits, win_chunk, sink_splits, total,
-        heads, scaling * LOG2E,
-        G_Q=group_q, BLOCK_H=max(16, triton.next_power_of_2(group_q)), D=d, BITS=layer.config.bits,
-        GROUP=layer.group_size, BLOCK_N=cfg.block_n, BLOCK_W=WINDOW_BLOCK[d], HAS_MASK=attention_mask is not None,
-        CENTERED=center is not None,
-        DT=dt, MAGIC_BITS=magic_bits, MAGIC_VALUE=magic_value, FAST_UNPACK=cfg.fast_unpack and not interpreting,
-        FP32_DOT=dt == tl.bfloat16 and interpreting, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    _decode_stage2_kernel[(batch * hq,)](part_o, part_lse, out, total, D=d, BLOCK_S=16, num_warps=4)
+    with on_device_of(query):
+        _decode_stage1_kernel[(batch * heads, total)](
+            query, query.stride(0), query.stride(1),
+            _storage(sink["key"]), _storage(sink["value"]), *sink["key"].stride()[:3],
+            _storage(recent["key"]), _storage(recent["value"]), *recent["key"].stride()[:3],
+            *codes, *hist_strides,
+            *mu,
+            mask, *mask_strides,
+            part_o, part_lse,
+            layer.n_sink, layer.n_history, layer.n_recent, hist_chunk, hist_splits, win_chunk, sink_splits, total,
+            heads, scaling * LOG2E,
+            G_Q=group_q, BLOCK_H=max(16, triton.next_power_of_2(group_q)), D=d, BITS=layer.config.bits,
+            GROUP=layer.group_size, BLOCK_N=cfg.block_n, BLOCK_W=WINDOW_BLOCK[d], HAS_MASK=attention_mask is not None,
+            CENTERED=center is not None,
+            DT=dt, MAGIC_BITS=magic_bits, MAGIC_VALUE=magic_value, FAST_UNPACK=cfg.fast_unpack and not interpreting,
+            FP32_DOT=dt == tl.bfloat16 and interpreting, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        _decode_stage2_kernel[(batch * hq,)](part_o, part_lse, out, total, D=d, BLOCK_S=16, num_warps=4)
     return out
 
 

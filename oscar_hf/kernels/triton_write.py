@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ..quantizer import QuantizedRows, clip_index, quantize
+from . import on_device_of
 
 FP32_MAX = tl.constexpr(3.4028234663852886e38)
 TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -175,12 +176,13 @@ def _launch(sides, clips, bits, group, scale_dtype) -> tuple[QuantizedRows, ...]
         flag = torch.zeros(1, dtype=torch.int32, device=device)
         clip_indices = [clip_index(c, d) if c < 1.0 else -1 for c in clips]
         block_r = max(1, 2048 // d)
-        _quantize_kv_kernel[(triton.cdiv(rows, block_r), len(sides))](
-            k3, k3.stride(0), k3.stride(1), v3, v3.stride(0), v3.stride(1), n, rows,
-            codes, scale, zero, flag, torch.finfo(scale_dtype).tiny,
-            K_CLIP_INDEX=clip_indices[0], V_CLIP_INDEX=clip_indices[-1],
-            D=d, GROUP=group, BITS=bits, BLOCK_R=block_r, SCALE_DT=TL_DTYPES[scale_dtype], num_warps=4,
-        )
+        with on_device_of(k3):
+            _quantize_kv_kernel[(triton.cdiv(rows, block_r), len(sides))](
+                k3, k3.stride(0), k3.stride(1), v3, v3.stride(0), v3.stride(1), n, rows,
+                codes, scale, zero, flag, torch.finfo(scale_dtype).tiny,
+                K_CLIP_INDEX=clip_indices[0], V_CLIP_INDEX=clip_indices[-1],
+                D=d, GROUP=group, BITS=bits, BLOCK_R=block_r, SCALE_DT=TL_DTYPES[scale_dtype], num_warps=4,
+            )
         flags = int(flag.item())
         for side in (0, 2):  # the oracle's order: K before V, non-finite input before overflow
             if flags >> side & 1:
