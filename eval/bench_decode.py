@@ -22,8 +22,6 @@ import argparse
 import csv
 import math
 import os
-import re
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -51,10 +49,10 @@ if ARGS.smoke:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
 import torch  # noqa: E402
-import transformers  # noqa: E402
 import triton  # noqa: E402
 
 from oscar_hf import OscarConfig, OscarLayer  # noqa: E402
+from oscar_hf.evaluation.environment import device_slug, environment  # noqa: E402
 from oscar_hf.kernels import naive  # noqa: E402
 from oscar_hf.kernels.triton_decode import DecodeConfig, decode, default_config  # noqa: E402
 from oscar_hf.kernels.triton_write import quantize_pack_kv  # noqa: E402
@@ -285,21 +283,10 @@ def bench_write(tokens: int) -> dict:
             "overhead": kernel_ms / prefill_ms}
 
 
-def environment() -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    gpu = "cpu-interpreter" if ARGS.smoke else torch.cuda.get_device_name(0)
-    return {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
-            "transformers": transformers.__version__, "commit": commit}
-
-
 def main():
     if not ARGS.smoke and not torch.cuda.is_available():
         sys.exit("bench_decode.py needs a CUDA GPU (or --smoke for a CPU interpreter run)")
-    env = environment()
+    env = environment(DEVICE, "cpu-interpreter" if ARGS.smoke else None)
     print(" ".join(f"{k}={v}" for k, v in env.items()))
     torch.manual_seed(0)
     check_write()
@@ -325,7 +312,7 @@ def main():
     write = bench_write(16 if ARGS.smoke else 32768)
     out = Path(ARGS.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"bench_decode_{re.sub(r'[^A-Za-z0-9]+', '-', env['gpu']).strip('-').lower()}.csv"
+    path = out / f"bench_decode_{device_slug(env)}.csv"
     rows = [{**row, "copy_GBps": copy_gbps, **{f"write_{k}": v for k, v in write.items()}} for row in rows]
     with open(path, "w", newline="") as f:  # the copy bandwidth and the write-kernel results repeat on every row
         writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else [])

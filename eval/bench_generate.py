@@ -59,13 +59,9 @@ import gc
 import importlib.util
 import itertools
 import math
-import os
-import re
-import subprocess
 import time
 import traceback
 from dataclasses import dataclass, replace
-from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
@@ -81,9 +77,9 @@ from transformers import (
 )
 
 from oscar_hf import ModelShape, OscarConfig, OscarQuantizedCache, OscarRotations
+from oscar_hf.evaluation.environment import GIB, device_slug, environment
 
 START = time.perf_counter()
-GIB = 1 << 30
 QUANTIZED_BITS = 2  # QuantizedCache at OSCAR's bit width
 
 _8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -192,23 +188,6 @@ def build_model(name: str, device: torch.device) -> torch.nn.Module:
         raise RuntimeError(f"{name}: forward takes no logits_to_keep, so generate would compute logits over the prompt")
     model.generation_config.pad_token_id = 0
     return model.eval()
-
-
-def environment(device: torch.device) -> dict:
-    """Device name, library versions and git commit: the header, and columns of every CSV row."""
-    try:
-        commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):  # a copy of the tree without .git
-        commit = os.environ.get("GIT_COMMIT", "unknown")
-    try:
-        triton = metadata.version("triton")
-    except metadata.PackageNotFoundError:
-        triton = "not installed"
-    cuda = device.type == "cuda"
-    return {"gpu": torch.cuda.get_device_name(device) if cuda else "cpu",
-            "gpu_gib": round(torch.cuda.get_device_properties(device).total_memory / GIB, 1) if cuda else None,
-            "torch": torch.__version__, "transformers": transformers.__version__, "triton": triton, "commit": commit}
 
 
 def free_memory() -> None:
@@ -558,7 +537,7 @@ def plot(rows: list[dict], path: Path, profile: Profile, title: str) -> None:
 def write_results(rows: list[dict], env: dict, profile: Profile, out: Path, smoke: bool) -> None:
     """The CSV, the .log (progress and table) and the plot, named after the device."""
     out.mkdir(parents=True, exist_ok=True)
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", env["gpu"]).strip("-").lower() + ("-smoke" if smoke else "")
+    slug = device_slug(env) + ("-smoke" if smoke else "")
     path = out / f"bench_generate_{slug}.csv"
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS + list(env), extrasaction="ignore")

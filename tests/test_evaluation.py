@@ -212,3 +212,12 @@ def test_cli_eval_end_to_end(tmp_path, capsys):
     assert "oscar-lloyd-max" in table and "kl_to_bf16" in table
     with open(tmp_path / "out" / "results.csv") as f:
         assert {"bf16", "oscar", "oscar-lloyd-max"} <= {row["method"] for row in csv.DictReader(f)}
+
+
+def test_benchmark_environment_names_device_versions_and_commit():
+    from oscar_hf.evaluation.environment import device_slug, environment
+
+    env = environment("cpu")
+    assert env["gpu"] == "cpu" and env["torch"] == torch.__version__ and env["commit"]
+    assert device_slug({"gpu": "NVIDIA H100 80GB HBM3"}) == "nvidia-h100-80gb-hbm3"
+    assert environment("cpu", "cpu-interpreter")["gpu"] == "cpu-interpreter"
