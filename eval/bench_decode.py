@@ -131,7 +131,8 @@ def synthetic_layer(batch: int, heads: int, d: int, n_hist: int, dtype=torch.bfl
     layer.history.tensors = {"key_codes": codes[0], "key_scale": meta(0.02, 0.05), "key_zero": meta(-0.1, -0.05),
                              "value_codes": codes[1], "value_scale": meta(0.5, 1.0), "value_zero": meta(-1.5, -1.0)}
     layer.center.tensors = {side: torch.randn(batch, heads, 1, d, device=DEVICE) for side in ("key", "value")}
-    layer.n_sink, layer.n_history, layer.n_recent = SINK, n_hist, RECENT
+    # counts on the device, as a static cache holds them: the launch reads no host state (CUDA-graph capturable)
+    layer.counts = torch.tensor([SINK, n_hist, RECENT, 0], dtype=torch.int32, device=DEVICE)
     return layer
 
 

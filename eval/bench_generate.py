@@ -11,9 +11,9 @@ Methods (--methods):
 
 * ``oscar``: ``OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model)``, the default
   OscarConfig (INT2, sink 64, recent 256; backend "auto": the Triton kernels on CUDA);
-* ``oscar-compiled``: the same with ``max_cache_len=T+N``: static buffers and a fixed mask size make the cache
-  compileable, so generate compiles the decode forward (inductor, "reduce-overhead") around the cache update and
-  the attention, which stay eager (graph breaks);
+* ``oscar-compiled``: the same with ``max_cache_len=T+N``: static buffers, device-side counts and a fixed mask size
+  make the cache compileable, and its one-token update and attention are device-only operators, so generate
+  compiles the whole decode forward into one graph (inductor, "reduce-overhead": one CUDA graph per step);
 * ``bf16-dynamic``: ``DynamicCache(config=model.config)``, eager;
 * ``bf16-static-compiled``: ``StaticCache(config=model.config, max_cache_len=...)``, the cache that
   ``cache_implementation="static"`` builds; generate compiles its decode forward with transformers' default

@@ -11,14 +11,13 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from .cache import ATTN_IMPLEMENTATION, OscarKV
+from .cache import ATTN_IMPLEMENTATION, OscarKV, rotate
 from .capture import CapturedKV
 from .kernels import attention_backend
 
 UNSUPPORTED_KWARGS = {"softcap": "attention logit soft-capping", "s_aux": "learned attention sinks"}
 
 
-@torch.compiler.disable  # the kernels take per-step lengths: a graph break inside a compiled forward
 def oscar_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -33,8 +32,23 @@ def oscar_attention_forward(
 
     K/V that are plain tensors (no cache, another cache, sliding-window layers) go to sdpa.
     OscarKV handles go to the backend named by the cache's OscarConfig; CapturedKV (calibration)
-    to sdpa, reporting the tensors to its observer.
+    to sdpa, reporting the tensors to its observer. A static layer's one-token steps read the cache on the
+    device (no graph break under torch.compile); everything else runs eagerly.
     """
+    if (isinstance(key, OscarKV) and key.layer.graph_step and query.shape[2] == 1
+            and all(kwargs.get(name) is None for name in (*UNSUPPORTED_KWARGS, "sliding_window"))
+            and (attention_mask is None or attention_mask.dtype == torch.bool)):
+        from .kernels.triton_decode import decode_on_device  # triton is imported on first use (TRITON_INTERPRET)
+
+        layer = key.layer
+        rotated_query = rotate(query, layer.key_rotation)
+        out = decode_on_device(rotated_query, layer, attention_mask, scaling)
+        return rotate(out, layer.value_rotation.mT), None
+    return _attend_on_host(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+
+@torch.compiler.disable  # a graph break inside a compiled forward
+def _attend_on_host(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
     if isinstance(key, CapturedKV):
         return key.attend(module, query, value, attention_mask, scaling)
     if not isinstance(key, OscarKV):
@@ -47,10 +61,10 @@ def oscar_attention_forward(
     if kwargs.get("sliding_window") is not None:
         raise NotImplementedError("a sliding-window attention layer reached an OSCAR (full-attention) cache layer")
     layer = key.layer
-    rotated_query = (query.float() @ layer.key_rotation).to(query.dtype)
+    rotated_query = rotate(query, layer.key_rotation)
     attend = attention_backend(layer.config.backend, query.device)
     out = attend(module, rotated_query, key, value, attention_mask, scaling)
-    return (out.float() @ layer.value_rotation.mT).to(query.dtype), None
+    return rotate(out, layer.value_rotation.mT), None
 
 
 def register() -> None:

@@ -6,11 +6,17 @@ Per full-attention layer and KV head the cached sequence is ``sink ‖ history �
 * ``history`` packed codes uint8 ``[B, H, N, D·bits/8]`` with scale and zero ``[B, H, N, D/group]``; with
   ``OscarConfig.key_quantization="per-channel"`` K's scale and zero are ``[B, H, N/G, D]`` instead (one per channel
   and group of ``G = flush_tokens`` tokens), and every demotion moves whole groups;
-* ``recent``  model dtype ``[B, H, ≤ recent_tokens + flush_tokens - 1, D]``: the newest tokens;
-* ``center``  fp32 ``[B, H, 1, D]`` per side with ``OscarConfig.centering`` (empty until the first demotion):
-  the history stores ``x - center`` and reads back ``x̂ + center``.
+* ``recent``  model dtype ``[B, H, ≤ recent_tokens + flush_tokens - 1, D]``: the newest tokens, a ring buffer
+  whose oldest token is row ``recent_start`` (0 except after graph steps; host-side code unrolls it first);
+* ``center``  fp32 ``[B, H, 1, D]`` per side with ``OscarConfig.centering``: the history stores ``x - center``
+  and reads back ``x̂ + center``; the first tokens to reach an empty history set it.
 
 Window buffers grow up to those sizes; the history grows in chunks of at least HISTORY_GROWTH tokens.
+
+With ``max_cache_len`` every buffer has its final size from the first update, the counts (sink, history, recent,
+ring start) live in an int32 device tensor, and, where the Triton kernels serve the layer, a decode step is
+two operators and a few torch ops (``graph_step``): no host synchronisation, one CUDA graph for the whole
+model step under ``torch.compile``.
 
 Everything is stored rotated (``k @ R_K``, ``v @ R_V``). ``update`` returns :class:`OscarKV`
 handles instead of dense tensors; the attention function registered as ``"oscar"`` reads the
@@ -25,7 +31,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from .config import OscarConfig
-from .kernels import WRITE_BACKENDS, quantize_kv, write_backend
+from .kernels import WRITE_BACKENDS, graph_step_supported, quantize_kv, write_backend
 from .model_support import ModelShape, check_model_supported
 from .quantizer import QuantizedRows, dequantize, dequantize_per_channel
 from .rotations import OscarRotations
@@ -33,6 +39,12 @@ from .rotations import OscarRotations
 ATTN_IMPLEMENTATION = "oscar"
 HISTORY_GROWTH = 1024  # tokens; the history grows by at least this much, or by an eighth of itself
 DEQUANTIZERS = {"per-token": dequantize, "per-channel": dequantize_per_channel}  # by OscarConfig.key_quantization
+
+
+def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """``x [..., D] @ rotation [D, D]`` as one 2-D GEMM in the rotation's dtype (the model's: tensor cores on a
+    GPU, where fp32 GEMMs this small cost tens of microseconds each), returned in x's dtype."""
+    return (x.reshape(-1, x.shape[-1]).to(rotation.dtype) @ rotation).view(x.shape).to(x.dtype)
 
 
 class OscarKV:
@@ -126,6 +138,18 @@ def _reserve(segment: _Segment, used: int, needed: int, limit: int) -> None:
         segment.grow(used, min(limit, max(needed, 2 * segment.capacity, 16)))
 
 
+def _count(index: int, doc: str) -> property:
+    """One of an OscarLayer's counts as a Python int (reading a static layer's device counts synchronises)."""
+
+    def get(self) -> int:
+        return int(self.counts[index])
+
+    def set(self, value: int) -> None:
+        self.counts[index] = value
+
+    return property(get, set, doc=doc)
+
+
 class OscarLayer(CacheLayerMixin):
     """One full-attention layer's OSCAR storage. See the module docstring for the layout."""
 
@@ -148,11 +172,23 @@ class OscarLayer(CacheLayerMixin):
         self.max_cache_len = max_cache_len
         # static buffers and a fixed mask size: generate may compile the model around the cache (see the class doc)
         self.is_compileable = max_cache_len is not None
-        self.n_sink = self.n_history = self.n_recent = 0
+        # sink, history, recent, ring start; an int32 device tensor once a static layer is initialized
+        self.counts: list[int] | torch.Tensor = [0, 0, 0, 0]
+        self.graph_step = False  # decode steps as device-only operators (set by lazy_initialization)
+
+    n_sink = _count(0, "tokens in the sink")
+    n_history = _count(1, "tokens in the quantized history")
+    n_recent = _count(2, "tokens in the recent window")
+    recent_start = _count(3, "ring-buffer row of the oldest recent token")
+
+    @property
+    def counts_on_device(self) -> bool:
+        return isinstance(self.counts, torch.Tensor)
 
     @property
     def length(self) -> int:
-        return self.n_sink + self.n_history + self.n_recent
+        counts = self.counts.tolist() if self.counts_on_device else self.counts
+        return sum(counts[:3])
 
     @property
     def recent_limit(self) -> int:
@@ -169,8 +205,8 @@ class OscarLayer(CacheLayerMixin):
             if cfg.key_quantization == "per-channel"
             else write_backend(cfg.backend, self.device)
         )
-        self.key_rotation = self.key_rotation.to(self.device, torch.float32)
-        self.value_rotation = self.value_rotation.to(self.device, torch.float32)
+        self.key_rotation = self.key_rotation.to(self.device, self.dtype)
+        self.value_rotation = self.value_rotation.to(self.device, self.dtype)
 
         def empty(*tail: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.empty(batch, heads, 0, *tail, dtype=dtype, device=self.device)
@@ -178,7 +214,9 @@ class OscarLayer(CacheLayerMixin):
         self.sink = _Segment({"key": empty(dim, dtype=self.dtype), "value": empty(dim, dtype=self.dtype)})
         self.recent = _Segment({"key": empty(dim, dtype=self.dtype), "value": empty(dim, dtype=self.dtype)})
         codes, groups, scale_dtype = dim * cfg.bits // 8, dim // self.group_size, cfg.torch_scale_dtype
-        self.center = _Segment({"key": empty(dim, dtype=torch.float32), "value": empty(dim, dtype=torch.float32)})
+        means = 1 if cfg.centering else 0
+        self.center = _Segment({side: torch.zeros(batch, heads, means, dim, device=self.device)
+                                for side in ("key", "value")})
         # per side: (scale and zero columns, tokens per scale row)
         layouts = {"per-token": (groups, 1), "per-channel": (dim, cfg.flush_tokens)}
         meta = {"key": layouts[cfg.key_quantization], "value": layouts["per-token"]}
@@ -192,33 +230,80 @@ class OscarLayer(CacheLayerMixin):
             },
             tokens_per_row={f"{side}_{part}": meta[side][1] for side in meta for part in ("scale", "zero")},
         )
-        if self.max_cache_len is not None:  # every buffer at its final size now: no growth during generation
-            _reserve(self.sink, 0, min(cfg.sink_tokens, self.max_cache_len), cfg.sink_tokens)
-            _reserve(self.recent, 0, min(self.recent_limit, self.max_cache_len), self.recent_limit)
-            self.history.grow(0, max(0, self.max_cache_len - cfg.sink_tokens - cfg.recent_tokens))
         self.is_initialized = True
+        if self.max_cache_len is not None:
+            self._allocate_static(batch)
+
+    def _allocate_static(self, batch: int) -> None:
+        """Every buffer at its final size (the recent window with one more row, as a ring buffer), the counts and
+        an error-flag word on the device, all at static addresses for CUDA graphs."""
+        cfg = self.config
+        _reserve(self.sink, 0, min(cfg.sink_tokens, self.max_cache_len), cfg.sink_tokens)
+        _reserve(self.recent, 0, min(self.recent_limit + 1, self.max_cache_len), self.recent_limit + 1)
+        self.history.grow(0, max(0, self.max_cache_len - cfg.sink_tokens - cfg.recent_tokens))
+        self.counts = torch.zeros(4, dtype=torch.int32, device=self.device)
+        self.flags = torch.zeros(1, dtype=torch.int32, device=self.device)
+        if not torch.compiler.is_compiling():
+            for t in (*self._tensors(), self.counts, self.flags, self.key_rotation, self.value_rotation):
+                torch._dynamo.mark_static_address(t)
+        self.graph_step = graph_step_supported(self)
+        if self.graph_step:
+            from .kernels.triton_decode import plan
+
+            self.decode_splits = plan(self, batch)  # one launch shape for every length
 
     # -------------------------------------------------------------------------------- writes
-    def _rotate(self, states: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-        return (states.float() @ rotation).to(self.dtype)
+    def takes_graph_step(self, key_states: torch.Tensor) -> bool:
+        """Whether ``update(key_states)`` runs :meth:`update_on_device` (a static layer's one-token step)."""
+        return self.is_initialized and self.graph_step and key_states.shape[2] == 1
+
+    def update_on_device(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[OscarKV, OscarKV]:
+        """``update`` of one token ``[B, H, 1, D]`` with no host synchronisation (torch.compile traces it whole)."""
+        from .kernels.triton_append import append
+
+        new = {
+            "key": rotate(key_states, self.key_rotation),
+            "value": rotate(value_states, self.value_rotation),
+        }
+        append(self, new["key"], new["value"])
+        return OscarKV(self, new["key"]), OscarKV(self, new["value"])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[OscarKV, OscarKV]:
         """Rotate and store new K/V ``[B, H, n, D]``; return handles for the attention function."""
+        if self.takes_graph_step(key_states):
+            return self.update_on_device(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self.check_flags()
         if self.max_cache_len is not None and self.length + key_states.shape[2] > self.max_cache_len:
             raise ValueError(
                 f"OscarQuantizedCache(max_cache_len={self.max_cache_len}) cannot take {key_states.shape[2]} more "
                 f"tokens after {self.length}: build it with a larger max_cache_len (prompt + max_new_tokens)"
             )
         new = {
-            "key": self._rotate(key_states, self.key_rotation),
-            "value": self._rotate(value_states, self.value_rotation),
+            "key": rotate(key_states, self.key_rotation),
+            "value": rotate(value_states, self.value_rotation),
         }
         self._append(new)
         return OscarKV(self, new["key"]), OscarKV(self, new["value"])
 
+    def check_flags(self) -> None:
+        """Raise what a static layer's device-side steps flagged (non-finite K/V, a scale overflow, a full cache)."""
+        if self.counts_on_device and self.is_initialized:
+            from .kernels.triton_write import raise_for_flags
+
+            raise_for_flags(int(self.flags), self.config.torch_scale_dtype)
+
+    def _unroll_recent(self) -> None:
+        """Make the recent window's oldest token row 0 again (after graph steps), for the host-side code."""
+        start = self.recent_start
+        if start:
+            for t in self.recent.tensors.values():
+                t.copy_(t.roll(-start, dims=2))
+            self.recent_start = 0
+
     def _append(self, new: dict[str, torch.Tensor]) -> None:
+        self._unroll_recent()
         cfg = self.config
         n = new["key"].shape[2]
         to_sink = min(cfg.sink_tokens - self.n_sink, n)
@@ -242,16 +327,13 @@ class OscarLayer(CacheLayerMixin):
         _reserve(self.recent, 0, self.n_recent, limit)
         self.recent.write(0, {s: t[:, :, demoted:] for s, t in window.items()})
 
-    @property
-    def is_centered(self) -> bool:
-        return self.center.capacity > 0
-
     def _quantize_into_history(self, rows: dict[str, torch.Tensor]) -> None:
         cfg = self.config
         n = rows["key"].shape[2]
         if cfg.centering:
-            if not self.is_centered:  # the first rows to reach the history (usually the prompt) set the means
-                self.center.tensors = {s: t.float().mean(dim=2, keepdim=True) for s, t in rows.items()}
+            if not self.n_history:  # the first rows to reach the history (usually the prompt) set the means
+                for side, t in rows.items():
+                    self.center[side].copy_(t.float().mean(dim=2, keepdim=True))
             rows = {s: t.float() - self.center[s] for s, t in rows.items()}
         needed = self.n_history + n
         if needed > self.history.capacity:
@@ -279,17 +361,23 @@ class OscarLayer(CacheLayerMixin):
         layout = self.config.key_quantization if side == "key" else "per-token"
         rows = QuantizedRows(h[f"{side}_codes"], h[f"{side}_scale"], h[f"{side}_zero"])
         history = DEQUANTIZERS[layout](rows, self.config.bits)
-        return history + self.center[side] if self.is_centered else history
+        return history + self.center[side] if self.config.centering else history
 
     def materialize(self, side: str, stop: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The stored sequence ``sink ‖ dequantized history ‖ recent`` of ``side`` ("key" or "value"),
         rotated, ``[B, H, stop, D]`` (the first ``stop`` tokens, default all) in ``dtype`` (default the model's)."""
+        self.check_flags()
+        self._unroll_recent()
         history = self._history(side, self.n_history)
         parts = [self.sink[side][:, :, : self.n_sink], history, self.recent[side][:, :, : self.n_recent]]
         return torch.cat([t.to(dtype or self.dtype) for t in parts], dim=2)[:, :, :stop]
 
     # ------------------------------------------------------------------ cache bookkeeping API
-    def get_seq_length(self) -> int:
+    def get_seq_length(self) -> int | torch.Tensor:
+        """Tokens stored: an int, or inside a compiled region a static layer's 0-d device tensor (no graph break)."""
+        if self.counts_on_device and torch.compiler.is_compiling():
+            return self.counts[:3].sum()
+        self.check_flags()
         return self.length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -303,10 +391,15 @@ class OscarLayer(CacheLayerMixin):
     def _segments(self) -> tuple[_Segment, ...]:
         return (self.sink, self.history, self.recent, self.center) if self.is_initialized else ()
 
+    def _tensors(self) -> list[torch.Tensor]:
+        return [t for segment in self._segments() for t in segment.tensors.values()]
+
     def reset(self) -> None:
-        self.n_sink = self.n_history = self.n_recent = 0
-        if self.is_initialized:
-            self.center.map(lambda t: t[:, :, :0])
+        if self.counts_on_device:  # in place: compiled graphs hold these addresses
+            self.counts.zero_()
+            self.flags.zero_()
+        else:
+            self.counts = [0, 0, 0, 0]
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the newest ``-tokens_to_remove`` tokens (transformers passes a negative count, sometimes as a
@@ -314,6 +407,7 @@ class OscarLayer(CacheLayerMixin):
         tokens_to_remove = int(tokens_to_remove)
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative number of tokens to remove; got {tokens_to_remove}")
+        self._unroll_recent()
         remove = min(-tokens_to_remove, self.length)
         for count in ("n_recent", "n_history", "n_sink"):
             taken = min(remove, getattr(self, count))
@@ -336,6 +430,10 @@ class OscarLayer(CacheLayerMixin):
         self.n_history, self.n_recent = start, cut
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.counts_on_device:  # in place: compiled graphs hold these addresses
+            for t in self._tensors():
+                t.copy_(t.index_select(0, beam_idx.to(t.device)))
+            return
         for segment in self._segments():
             segment.map(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
@@ -367,7 +465,7 @@ class OscarLayer(CacheLayerMixin):
             self.sink.used_bytes(self.n_sink)
             + self.history.used_bytes(self.n_history)
             + self.recent.used_bytes(self.n_recent)
-            + self.center.used_bytes(self.center.capacity)
+            + (self.center.used_bytes(1) if self.n_history else 0)
         )
         b, h, _, d = self.sink["key"].shape
         return 8 * used, 2 * b * h * self.length * d
@@ -388,8 +486,9 @@ class OscarQuantizedCache(Cache):
         max_cache_len: the most tokens a sequence will hold (prompt + new tokens), or None (grow as needed).
             With it, every buffer is allocated at its final size on the first update and the attention mask
             has a fixed size, so the cache is compileable: on CUDA, ``generate`` then compiles the model
-            (``mode="reduce-overhead"``: CUDA graphs) around the cache update and the attention, which run
-            eagerly (graph breaks), as the Triton kernels need per-step lengths.
+            (``mode="reduce-overhead"``: CUDA graphs). Where the Triton kernels serve a layer (bf16/fp16, per-token
+            K, uniform quantizer), its decode step is device-only operators and the whole model step is one
+            graph; otherwise the cache update and the attention run eagerly (graph breaks).
         **config_overrides: OscarConfig fields to change.
     """
 
@@ -452,8 +551,14 @@ class OscarQuantizedCache(Cache):
         enable(model)
         return cls(model.config, rotations, max_cache_len=max_cache_len, **config_overrides)
 
-    @torch.compiler.disable  # runs eagerly (a graph break) inside a compiled forward
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        if isinstance(layer, OscarLayer) and layer.takes_graph_step(key_states):
+            return layer.update(key_states, value_states)
+        return self._update_on_host(key_states, value_states, layer_idx, *args, **kwargs)
+
+    @torch.compiler.disable  # runs eagerly (a graph break) inside a compiled forward
+    def _update_on_host(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if isinstance(self.layers[layer_idx], OscarLayer):
             implementation = self._text_config._attn_implementation
             if implementation != ATTN_IMPLEMENTATION:

@@ -33,7 +33,7 @@ def expected_sequence(layer: OscarLayer, x: torch.Tensor, side: str, first_demot
     """What the layer should hold of the sequence ``x`` (keys or values) given its counts: windows exact, history
     quantized after subtracting the mean of the ``first_demoted`` tokens that reached it first."""
     cfg = layer.config
-    rotated = x @ (layer.key_rotation if side == "key" else layer.value_rotation)
+    rotated = cache_module.rotate(x, layer.key_rotation if side == "key" else layer.value_rotation)
     s, q = layer.n_sink, layer.n_history
     center = rotated[:, :, s : s + first_demoted].mean(dim=2, keepdim=True)
     clip = cfg.k_clip if side == "key" else cfg.v_clip
@@ -71,18 +71,19 @@ def test_uncentered_history_and_reset_forgets_the_means():
     layer = make_layer(centering=False)
     keys, values = rows(30, 0), rows(30, 1)
     layer.update(keys, values)
-    assert not layer.is_centered
+    assert layer.center["key"].numel() == 0
     cfg = layer.config
-    rotated = keys @ layer.key_rotation
+    rotated = cache_module.rotate(keys, layer.key_rotation)
     history = quantize(rotated[:, :, 4:22], bits=cfg.bits, clip=cfg.k_clip, scale_dtype=cfg.torch_scale_dtype)
     torch.testing.assert_close(layer.materialize("key")[:, :, 4:22], dequantize(history, cfg.bits), rtol=0, atol=1e-5)
     centered = make_layer()
     centered.update(keys, values)
-    assert centered.is_centered and centered.center["key"].shape == (B, H, 1, D)
+    assert centered.center["key"].shape == (B, H, 1, D)
+    torch.testing.assert_close(centered.center["key"], rotated[:, :, 4:22].mean(2, True))
     centered.reset()
-    assert not centered.is_centered
     centered.update(values, keys)  # a new sequence: new means
-    torch.testing.assert_close(centered.center["key"], (values @ centered.key_rotation)[:, :, 4:22].mean(2, True))
+    new_keys = cache_module.rotate(values, centered.key_rotation)
+    torch.testing.assert_close(centered.center["key"], new_keys[:, :, 4:22].mean(2, True))
 
 
 def test_no_full_precision_copy_of_the_history_outlives_an_update():
@@ -162,7 +163,7 @@ def test_nbytes_and_bits_per_element_match_the_analytic_count():
     windows = layer.sink.capacity + layer.recent.capacity
     per_side_bytes = windows * dim * 2 + capacity * (dim // 4 + 2 + 2)  # bf16 windows + codes + fp16 scale, zero
     per_side_bytes += dim * 4  # the fp32 centering mean
-    rotations = 2 * dim * dim * 4
+    rotations = 2 * dim * dim * 2  # R_K and R_V in the model dtype
     assert cache.nbytes == shape_layers * (kv_heads * 2 * per_side_bytes + rotations)
     assert cache.nbytes == sum(
         t.numel() * t.element_size()
@@ -277,7 +278,7 @@ def rotate(layer: OscarLayer, x: torch.Tensor, side: str, chunks: list[int]) -> 
     """``x`` rotated as the layer rotated it: chunk by chunk (a matmul's rounding depends on its shape, and one
     fp32 ulp can move a per-channel min or max across an fp16 rounding boundary)."""
     rotation = layer.key_rotation if side == "key" else layer.value_rotation
-    return torch.cat([part @ rotation for part in x.split(chunks, dim=2)], dim=2)
+    return torch.cat([cache_module.rotate(part, rotation) for part in x.split(chunks, dim=2)], dim=2)
 
 
 def rotate_all(layer: OscarLayer, keys: torch.Tensor, values: torch.Tensor, chunks: list[int]) -> dict:

@@ -268,3 +268,120 @@ def test_cache_quantizes_through_the_triton_writer():
 
 def test_decode_uncentered_history():
     check_decode(2, 2, 4, 128, 90, torch.bfloat16, centering=False, pads=(0, 6))
+
+
+# ------------------------------------------------------------------------- graph step (static caches)
+def static_and_host_layers(dim, *, max_len=120, **config):
+    """A static (max_cache_len) layer, whose one-token steps run the device-only operators, and a growing layer
+    (the host path, the oracle), with the same settings: Triton backend, bf16, a random orthogonal rotation."""
+    cfg = OscarConfig(backend="triton", **config)
+    rotation = torch.linalg.qr(randn(dim, dim, seed=3).cpu())[0]
+    return (OscarLayer(cfg, rotation, rotation, max_cache_len=max_len), OscarLayer(cfg, rotation, rotation))
+
+
+@pytest.mark.parametrize(
+    "prompt, config",
+    [(3, dict(sink_tokens=4, recent_tokens=5, flush_tokens=3)),  # sink filled by steps; means set by a step
+     (40, dict(sink_tokens=4, recent_tokens=8, flush_tokens=4, k_clip=1.0, v_clip=1.0, centering=False)),
+     (30, dict(sink_tokens=0, recent_tokens=6, flush_tokens=1, group_size=32))],
+    ids=["sink-first", "uncentered-unclipped", "no-sink-flush-1"],
+)
+def test_graph_step_stores_what_the_host_path_stores(prompt, config):
+    """Steps through the append operator (ring buffer, device counts) leave the same sequence as the host path:
+    codes, scales and zeros bit for bit without centering; with it, the means are summed in another order."""
+    static, host = static_and_host_layers(64, **config)
+    kv = (randn(2, 2, 3, 100, 64, seed=11) * 2).to(torch.bfloat16)
+    for layer in (static, host):
+        layer.update(kv[0, :, :, :prompt], kv[1, :, :, :prompt])
+    assert static.graph_step and static.counts_on_device and not host.graph_step
+    # CUDA graphs would otherwise copy (or refuse to capture) every buffer the step mutates
+    assert all(torch._dynamo.utils.get_static_address_type(t) for t in (*static._tensors(), static.counts))
+    starts = set()
+    for t in range(prompt, 100):
+        assert static.takes_graph_step(kv[0, :, :, t : t + 1])
+        static.update(kv[0, :, :, t : t + 1], kv[1, :, :, t : t + 1])
+        host.update(kv[0, :, :, t : t + 1], kv[1, :, :, t : t + 1])
+        starts.add(static.recent_start)
+    assert len(starts) > 2, "the ring buffer wrapped"
+    assert static.counts.tolist()[:3] == [host.n_sink, host.n_history, host.n_recent] and host.n_history > 0
+    exact = not static.config.centering
+    for side in ("key", "value"):
+        torch.testing.assert_close(static.materialize(side), host.materialize(side), rtol=0,
+                                   atol=0 if exact else 0.1)
+    if exact:
+        for name in host.history.tensors:
+            assert torch.equal(static.history[name][:, :, : host.n_history], host.history[name][:, :, : host.n_history])
+
+
+def test_graph_step_decode_equals_the_host_decode():
+    """The decode operator (planned once for the capacities, counts and ring start read on the device) gives the
+    host launch's output over the same tokens, a left-padded row included."""
+    from oscar_hf.kernels.triton_decode import decode_on_device
+
+    static, host = static_and_host_layers(128, max_len=400, sink_tokens=4, recent_tokens=8, flush_tokens=3)
+    kv = randn(2, 2, 2, 300, 128, seed=12).to(torch.bfloat16)
+    kv[:, 1, :, :5] = 30.0
+    mask = torch.ones(2, 1, 1, 400, dtype=torch.bool, device=DEVICE)
+    mask[1, ..., :5] = False
+    for layer in (static, host):
+        layer.update(kv[0, :, :, :250], kv[1, :, :, :250])
+    for t in range(250, 300):
+        for layer in (static, host):
+            layer.update(kv[0, :, :, t : t + 1], kv[1, :, :, t : t + 1])
+        if t % 7 == 0:
+            query = randn(2, 8, 1, 128, seed=t).to(torch.bfloat16)
+            got = decode_on_device(query, static, mask, None)
+            want = decode(query, host, mask[..., :301], None)
+            torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+    assert static.recent_start != 0
+
+
+def test_graph_step_flags_a_full_cache_and_non_finite_rows():
+    static, _ = static_and_host_layers(64, max_len=20, sink_tokens=2, recent_tokens=2, flush_tokens=2)
+    kv = randn(2, 1, 2, 21, 64, seed=13).to(torch.bfloat16)
+    static.update(kv[0, :, :, :19], kv[1, :, :, :19])
+    static.update(kv[0, :, :, 19:20], kv[1, :, :, 19:20])
+    static.update(kv[0, :, :, 20:21], kv[1, :, :, 20:21])  # the 21st token: flagged on the device, not stored
+    with pytest.raises(ValueError, match="full"):
+        static.get_seq_length()
+    static.reset()
+    assert static.get_seq_length() == 0
+    kv[0, 0, 1, 3] = float("nan")  # stored by the first step, demoted by the third
+    static.update(kv[0, :, :, :3], kv[1, :, :, :3])
+    for t in range(3, 6):  # the NaN row reaches the history on a step
+        static.update(kv[0, :, :, t : t + 1], kv[1, :, :, t : t + 1])
+    with pytest.raises(ValueError, match="NaN"):
+        static.materialize("key")
+
+
+def test_compiled_generate_is_one_graph_with_a_static_cache():
+    """With max_cache_len and the Triton backend, generate's compiled decode step traces whole (update and attention
+    included: no graph break, one graph for every step) and gives the eager static cache's tokens, which equal
+    the growing cache's."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    model = make_model("qwen3-gqa-qknorm-d128", dtype=torch.bfloat16).to(DEVICE)
+    ids = torch.randint(3, 90, (2, 30), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    ids[1, :5], mask[1, :5] = 0, 0
+    ids, mask = ids.to(DEVICE), mask.to(DEVICE)
+    compile_config = CompileConfig(backend="aot_eager", mode=None)  # inductor works too, but compiles C++ slowly
+    compile_config._compile_all_devices = True
+
+    def run(max_cache_len=None, **kwargs):
+        cache = OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model, sink_tokens=4,
+                                                    recent_tokens=8, flush_tokens=3, backend="triton",
+                                                    max_cache_len=max_cache_len)
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                              past_key_values=cache, pad_token_id=0, **kwargs), cache
+
+    growing, _ = run()
+    eager, _ = run(50, disable_compile=True)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, cache = run(50, compile_config=compile_config)
+    assert cache.layers[0].graph_step and cache.layers[0].n_history > 0
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    torch.testing.assert_close(eager, growing, rtol=0, atol=0)

@@ -75,6 +75,19 @@ def attention_backend(name: str, device: torch.device):
     return ATTENTION_BACKENDS[_resolve(name, device, ATTENTION_BACKENDS)]
 
 
+def graph_step_supported(layer) -> bool:
+    """Whether an initialized static OscarLayer's one-token steps can run as the device-only Triton operators
+    (``triton_append.append``, ``triton_decode.decode_on_device``): the Triton backend serves it."""
+    if _resolve(layer.config.backend, layer.device, ATTENTION_BACKENDS) != "triton":
+        return False
+    from . import triton_decode, triton_write
+
+    keys = layer.sink["key"]
+    return triton_decode.layer_supports(layer, layer.dtype, layer.device) and triton_write.kernel_supports(
+        keys, layer.group_size, layer.config.quantizer
+    )
+
+
 def write_backend(name: str, device: torch.device):
     """The K/V writer ``(key, value, *, bits, group_size, k_clip, v_clip, scale_dtype, method)`` for ``name``."""
     return WRITE_BACKENDS[_resolve(name, device, WRITE_BACKENDS)]

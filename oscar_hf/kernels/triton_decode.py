@@ -189,34 +189,35 @@ def _attend_codes(
 
 @triton.jit
 def _attend_dense(
-    qs, m, den, accs, lo, hi, pos0, k, v, stride_n, mask_row, stride_mt, qk_scale,
+    qs, m, den, accs, lo, hi, pos0, k, v, stride_n, ring_start, ring_cap, mask_row, stride_mt, qk_scale,
     BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, DT: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
-    """Sink or recent tokens ``[lo, hi)`` in the model dtype, by the same channel sub-tiles."""
+    """Sink or recent tokens ``[lo, hi)`` in the model dtype, by the same channel sub-tiles; token ``n`` is stored
+    in row ``(ring_start + n) % ring_cap`` (the recent window is a ring buffer)."""
     NSUB: tl.constexpr = len(qs)
     W: tl.constexpr = qs[0].shape[1]
     cols = tl.arange(0, W)
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         live = n < hi
+        row = ((ring_start + n) % ring_cap).to(tl.int64) * stride_n
         logits = tl.zeros([qs[0].shape[0], BLOCK_N], tl.float32)
         for i in tl.static_range(NSUB):
-            kt = tl.load(k + n[:, None] * stride_n + i * W + cols[None, :], mask=live[:, None], other=0.0)
+            kt = tl.load(k + row[:, None] + i * W + cols[None, :], mask=live[:, None], other=0.0)
             logits = _dot(qs[i], tl.trans(kt), logits, FP32_DOT)
         live = live & (_mask_bytes(mask_row, stride_mt, pos0 + n, live, HAS_MASK) != 0)
         m, den, p, alpha = _online_softmax(tl.where(live[None, :], logits * qk_scale, float("-inf")), m, den)
         p = p.to(DT, fp_downcast_rounding="rtne")
         new_accs = ()
         for i in tl.static_range(NSUB):
-            vt = tl.load(v + n[:, None] * stride_n + i * W + cols[None, :], mask=live[:, None], other=0.0)
+            vt = tl.load(v + row[:, None] + i * W + cols[None, :], mask=live[:, None], other=0.0)
             new_accs = new_accs + (_dot(p, vt, accs[i] * alpha[:, None], FP32_DOT),)
         accs = new_accs
     return m, den, accs
 
 
 # Sequence-dependent ints are not specialized (on == 1 / divisibility by 16): each new combination would compile.
-@triton.jit(do_not_specialize=["stride_mb", "n_sink", "n_hist", "n_recent", "hist_chunk", "hist_splits", "win_chunk",
-                               "sink_splits", "total_splits"])
+@triton.jit(do_not_specialize=["stride_mb", "hist_splits", "win_chunk", "sink_splits", "total_splits", "rec_cap"])
 def _decode_stage1_kernel(
     q_ptr, stride_qb, stride_qh,
     sk_ptr, sv_ptr, stride_sink_b, stride_sink_h, stride_sink_n,
@@ -226,7 +227,7 @@ def _decode_stage1_kernel(
     mu_k_ptr, mu_v_ptr, stride_mu_b, stride_mu_h,
     mask_ptr, stride_mb, stride_mt,
     part_o_ptr, part_lse_ptr,
-    n_sink, n_hist, n_recent, hist_chunk, hist_splits, win_chunk, sink_splits, total_splits,
+    counts_ptr, hist_splits, win_chunk, sink_splits, total_splits, rec_cap,
     H, qk_scale,
     G_Q: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, HAS_MASK: tl.constexpr, CENTERED: tl.constexpr, DT: tl.constexpr,
@@ -250,6 +251,9 @@ def _decode_stage1_kernel(
     mask_row = mask_ptr + b * stride_mb
     m = tl.full([BLOCK_H], -1.0e30, tl.float32)  # finite: a fully masked tile leaves alpha = 1 and p = 0
     den = tl.zeros([BLOCK_H], tl.float32)
+    n_sink = tl.load(counts_ptr)
+    n_hist = tl.load(counts_ptr + 1)
+    n_recent = tl.load(counts_ptr + 2)
     if split < hist_splits:
         q_mu = tl.zeros([BLOCK_H], tl.float32)  # q·μ_K, in logit units
         if CENTERED:
@@ -257,6 +261,7 @@ def _decode_stage1_kernel(
             for i in tl.static_range(NSUB):
                 q_mu += tl.sum(qs[i].to(tl.float32) * tl.load(mu_k + i * W)[None, :], axis=1)
             q_mu = q_mu * qk_scale
+        hist_chunk = tl.cdiv(tl.cdiv(n_hist, hist_splits), BLOCK_N) * BLOCK_N
         lo = split * hist_chunk
         code_off = b * stride_cb + h * stride_ch
         meta_off = b * stride_zb + h * stride_zh
@@ -280,6 +285,7 @@ def _decode_stage1_kernel(
             qs, m, den, accs, lo, tl.minimum(lo + win_chunk, tl.where(in_sink, n_sink, n_recent)),
             tl.where(in_sink, 0, n_sink + n_hist), tl.where(in_sink, sk_ptr, rk_ptr) + off,
             tl.where(in_sink, sv_ptr, rv_ptr) + off, tl.where(in_sink, stride_sink_n, stride_rec_n),
+            tl.where(in_sink, 0, tl.load(counts_ptr + 3)), tl.where(in_sink, 1 << 30, rec_cap),
             mask_row, stride_mt, qk_scale, BLOCK_W, HAS_MASK, DT, FP32_DOT,
         )
     safe_den = tl.where(den > 0, den, 1.0)
@@ -330,29 +336,104 @@ def plan_splits(batch_heads: int, n_hist: int, hist_bytes: int, n_window: int, w
     return hist_chunk, triton.cdiv(triton.cdiv(per_split, window_bytes), window_block) * window_block
 
 
+def layer_supports(layer, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether :func:`decode` can serve every decode step of an initialized OscarLayer for queries of ``dtype``."""
+    d = layer.sink["key"].shape[-1]
+    cfg = layer.config
+    return (
+        dtype in MAGIC
+        and d in WINDOW_BLOCK
+        and layer.group_size >= d // (8 // cfg.bits) >= 16  # a group spans whole channel sub-tiles of >= 16
+        and cfg.recent_tokens >= 1  # the newest token is then always stored at full precision (it is read from there)
+        and layer.dtype == dtype
+        and cfg.key_quantization == "per-token"  # per-channel K scales (KIVI's layout): naive.attend
+        and (device.type == "cuda" or triton.knobs.runtime.interpret)
+    )
+
+
 def kernel_supports(query: torch.Tensor, layer, attention_mask: torch.Tensor | None) -> bool:
     """Whether :func:`decode` handles this call (else naive.attend runs)."""
-    d = query.shape[-1]
-    cfg = layer.config
-    per_byte = 8 // cfg.bits
     return (
         query.shape[2] == 1
-        and query.dtype in MAGIC
-        and d in WINDOW_BLOCK
-        and layer.group_size >= d // per_byte >= 16  # a group spans whole channel sub-tiles of >= 16
-        # the newest token must be stored at full precision (naive reads it from key.new): recent_tokens >= 1
-        and not (layer.n_recent == 0 and layer.n_history > 0)
-        and layer.dtype == query.dtype
-        and cfg.key_quantization == "per-token"  # per-channel K scales (KIVI's layout): naive.attend
-        and (query.is_cuda or triton.knobs.runtime.interpret)
+        and layer_supports(layer, query.dtype, query.device)
         and (attention_mask is None or (attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1
-                                        and attention_mask.shape[-1] >= layer.length))
+                                        and attention_mask.shape[-1] >= (layer.max_cache_len or layer.length)))
     )
+
+
+def plan(layer, batch: int, lengths: tuple[int, int, int] | None = None, config: DecodeConfig | None = None
+         ) -> list[int]:
+    """``[history splits, window chunk, sink splits, total splits]`` of stage 1 for an OscarLayer holding ``lengths``
+    (sink, history, recent) tokens; None plans for its capacities, so that one launch serves every length (the
+    kernel sizes its history chunks from the counts it reads)."""
+    sink, hist, recent = layer.sink, layer.history, layer.recent
+    d = sink["key"].shape[-1]
+    n_sink, n_hist, n_recent = lengths or (sink.capacity, hist.capacity, recent.capacity)
+    hist_bytes = 2 * (hist["key_codes"].shape[-1] + 2 * hist["key_scale"].shape[-1] * hist["key_scale"].element_size())
+    hist_chunk, win_chunk = plan_splits(
+        batch * sink["key"].shape[1], n_hist, hist_bytes, n_sink + n_recent, 2 * d * sink["key"].element_size(),
+        WINDOW_BLOCK[d], config or default_config(batch, d), _sm_count(sink["key"].device),
+    )
+    hist_splits, sink_splits = triton.cdiv(n_hist, hist_chunk), triton.cdiv(n_sink, win_chunk)
+    return [hist_splits, win_chunk, sink_splits, hist_splits + sink_splits + triton.cdiv(n_recent, win_chunk)]
+
+
+def layer_tensors(layer) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """An OscarLayer's storage as the kernel takes it: windows (sink K, V, recent K, V), history (K codes, scale,
+    zero, then V's), and the centers (μ_K, μ_V; empty without centering)."""
+    windows = [layer.sink["key"], layer.sink["value"], layer.recent["key"], layer.recent["value"]]
+    history = [layer.history[f"{side}_{part}"] for side in ("key", "value") for part in ("codes", "scale", "zero")]
+    center = [layer.center["key"], layer.center["value"]] if layer.config.centering else []
+    return windows, history, center
 
 
 def _storage(t: torch.Tensor) -> torch.Tensor:
     """``t``, or a one-element stand-in when it is empty (its pointer is never read then)."""
     return t if t.numel() else t.new_zeros(1)
+
+
+def _launch(query, windows, history, center, attention_mask, counts, scaling, bits, group, splits, config=None):
+    """Both stages over the tensors of :func:`layer_tensors`, the counts int32 ``[4]`` (sink, history, recent, ring
+    start of the recent window) and the ``splits`` of :func:`plan`; see :func:`decode`."""
+    batch, hq, _, d = query.shape
+    sink_k, sink_v, rec_k, rec_v = windows
+    heads = sink_k.shape[1]
+    group_q = hq // heads
+    cfg = config or default_config(batch, d)
+    dt, magic_bits, magic_value = MAGIC[query.dtype]
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    hist_splits, win_chunk, sink_splits, total = splits
+    if attention_mask is None:
+        mask, mask_strides = query.new_zeros(1, dtype=torch.uint8), (0, 0)
+    else:
+        mask = attention_mask[:, 0, -1, :].expand(batch, -1).view(torch.uint8)
+        mask_strides = mask.stride()
+    part_o = torch.empty(batch * hq, total, d, dtype=torch.float32, device=query.device)
+    part_lse = torch.empty(batch * hq, total, dtype=torch.float32, device=query.device)
+    out = torch.empty(batch, 1, hq, d, dtype=query.dtype, device=query.device)
+    scaling = d**-0.5 if scaling is None else scaling
+    interpreting = triton.knobs.runtime.interpret
+    hist_strides = history[0].stride()[:3] + history[1].stride()[:3]
+    mu = (*center, *center[0].stride()[:2]) if center else (mask, mask, 0, 0)
+    with on_device_of(query):
+        _decode_stage1_kernel[(batch * heads, total)](
+            query, query.stride(0), query.stride(1),
+            _storage(sink_k), _storage(sink_v), *sink_k.stride()[:3],
+            _storage(rec_k), _storage(rec_v), *rec_k.stride()[:3],
+            *[_storage(t) for t in history], *hist_strides,
+            *mu,
+            mask, *mask_strides,
+            part_o, part_lse,
+            counts, hist_splits, win_chunk, sink_splits, total, max(rec_k.shape[2], 1),
+            heads, scaling * LOG2E,
+            G_Q=group_q, BLOCK_H=max(16, triton.next_power_of_2(group_q)), D=d, BITS=bits,
+            GROUP=group, BLOCK_N=cfg.block_n, BLOCK_W=WINDOW_BLOCK[d], HAS_MASK=attention_mask is not None,
+            CENTERED=bool(center),
+            DT=dt, MAGIC_BITS=magic_bits, MAGIC_VALUE=magic_value, FAST_UNPACK=cfg.fast_unpack and not interpreting,
+            FP32_DOT=dt == tl.bfloat16 and interpreting, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        _decode_stage2_kernel[(batch * hq,)](part_o, part_lse, out, total, D=d, BLOCK_S=16, num_warps=4)
+    return out
 
 
 def decode(
@@ -367,9 +448,10 @@ def decode(
     Args:
         query: rotated queries ``[B, Hq, 1, D]``, bf16 or fp16; ``Hq = g·H`` (query head ``h·g + r`` reads
             KV head ``h``); D in 64, 128, 256.
-        layer: an OscarLayer (uses ``sink``, ``history``, ``recent``, the counts, ``config.bits``,
-            ``group_size``, ``center``); its windows are ``[B, H, cap, D]`` in the query dtype, codes uint8
-            ``[B, H, cap, D·bits/8]``, scale and zero ``[B, H, cap, D/group]``.
+        layer: an OscarLayer (uses ``sink``, ``history``, ``recent``, ``center``, ``counts``, ``config.bits``,
+            ``group_size``); its windows are ``[B, H, cap, D]`` in the query dtype (the recent one a ring buffer
+            from ``counts[3]``), codes uint8 ``[B, H, cap, D·bits/8]``, scale and zero ``[B, H, cap, D/group]``.
+            A static layer's counts live on the device and are read by the kernel: no host synchronisation.
         attention_mask: bool ``[B or 1, 1, 1, ≥ T]`` (True = attend; key ``t`` at column ``t``), ``T = layer.length``,
             or None.
         scaling: logit scale (None: ``D**-0.5``).
@@ -377,54 +459,47 @@ def decode(
     Returns:
         ``[B, 1, Hq, D]`` in the query dtype, in the rotated V basis.
     """
-    batch, hq, _, d = query.shape
-    heads = layer.sink["key"].shape[1]
-    group_q = hq // heads
-    cfg = config or default_config(batch, d)
-    dt, magic_bits, magic_value = MAGIC[query.dtype]
-    query = query if query.stride(-1) == 1 else query.contiguous()
-    sink, hist, recent = layer.sink, layer.history, layer.recent
-    hist_bytes = 2 * (hist["key_codes"].shape[-1] + 2 * hist["key_scale"].shape[-1] * hist["key_scale"].element_size())
-    hist_chunk, win_chunk = plan_splits(
-        batch * heads, layer.n_history, hist_bytes, layer.n_sink + layer.n_recent, 2 * d * query.element_size(),
-        WINDOW_BLOCK[d], cfg, _sm_count(query.device),
-    )
-    hist_splits = triton.cdiv(layer.n_history, hist_chunk)
-    sink_splits = triton.cdiv(layer.n_sink, win_chunk)
-    total = hist_splits + sink_splits + triton.cdiv(layer.n_recent, win_chunk)
-    codes = [_storage(hist[f"{side}_{part}"]) for side in ("key", "value") for part in ("codes", "scale", "zero")]
-    if attention_mask is None:
-        mask, mask_strides = query.new_zeros(1, dtype=torch.uint8), (0, 0)
+    if layer.counts_on_device:
+        counts, splits = layer.counts, plan(layer, query.shape[0], config=config)
     else:
-        mask = attention_mask[:, 0, -1, :].expand(batch, -1).view(torch.uint8)
-        mask_strides = mask.stride()
-    part_o = torch.empty(batch * hq, total, d, dtype=torch.float32, device=query.device)
-    part_lse = torch.empty(batch * hq, total, dtype=torch.float32, device=query.device)
-    out = torch.empty(batch, 1, hq, d, dtype=query.dtype, device=query.device)
-    scaling = d**-0.5 if scaling is None else scaling
-    interpreting = triton.knobs.runtime.interpret
-    hist_strides = hist["key_codes"].stride()[:3] + hist["key_scale"].stride()[:3]
-    center = layer.center if layer.is_centered else None
-    mu = (center["key"], center["value"], *center["key"].stride()[:2]) if center else (mask, mask, 0, 0)
-    with on_device_of(query):
-        _decode_stage1_kernel[(batch * heads, total)](
-            query, query.stride(0), query.stride(1),
-            _storage(sink["key"]), _storage(sink["value"]), *sink["key"].stride()[:3],
-            _storage(recent["key"]), _storage(recent["value"]), *recent["key"].stride()[:3],
-            *codes, *hist_strides,
-            *mu,
-            mask, *mask_strides,
-            part_o, part_lse,
-            layer.n_sink, layer.n_history, layer.n_recent, hist_chunk, hist_splits, win_chunk, sink_splits, total,
-            heads, scaling * LOG2E,
-            G_Q=group_q, BLOCK_H=max(16, triton.next_power_of_2(group_q)), D=d, BITS=layer.config.bits,
-            GROUP=layer.group_size, BLOCK_N=cfg.block_n, BLOCK_W=WINDOW_BLOCK[d], HAS_MASK=attention_mask is not None,
-            CENTERED=center is not None,
-            DT=dt, MAGIC_BITS=magic_bits, MAGIC_VALUE=magic_value, FAST_UNPACK=cfg.fast_unpack and not interpreting,
-            FP32_DOT=dt == tl.bfloat16 and interpreting, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-        _decode_stage2_kernel[(batch * hq,)](part_o, part_lse, out, total, D=d, BLOCK_S=16, num_warps=4)
-    return out
+        lengths = (layer.n_sink, layer.n_history, layer.n_recent)
+        counts = torch.tensor([*lengths, layer.recent_start], dtype=torch.int32, device=query.device)
+        splits = plan(layer, query.shape[0], lengths, config)
+    windows, history, center = layer_tensors(layer)
+    return _launch(query, windows, history, center, attention_mask, counts, scaling, layer.config.bits,
+                   layer.group_size, splits, config)
+
+
+@torch.library.custom_op("oscar_hf::decode_attention", mutates_args=())
+def decode_attention(
+    query: torch.Tensor,
+    windows: list[torch.Tensor],
+    history: list[torch.Tensor],
+    center: list[torch.Tensor],
+    attention_mask: torch.Tensor | None,
+    counts: torch.Tensor,
+    scaling: float,
+    bits: int,
+    group: int,
+    splits: list[int],
+) -> torch.Tensor:
+    """:func:`decode` of a static layer as an operator that torch.compile traces without a graph break and CUDA
+    graphs capture (the counts are read on the device). Arguments as :func:`_launch`'s."""
+    return _launch(query, windows, history, center, attention_mask, counts, scaling, bits, group, splits)
+
+
+@decode_attention.register_fake
+def _(query, windows, history, center, attention_mask, counts, scaling, bits, group, splits):
+    batch, hq, _, d = query.shape
+    return query.new_empty(batch, 1, hq, d)
+
+
+def decode_on_device(query: torch.Tensor, layer, attention_mask: torch.Tensor | None, scaling: float | None
+                     ) -> torch.Tensor:
+    """:func:`decode` of a static layer in its graph step: the operator, planned once for the layer's capacities."""
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return torch.ops.oscar_hf.decode_attention(query, *layer_tensors(layer), attention_mask, layer.counts, scaling,
+                                               layer.config.bits, layer.group_size, layer.decode_splits)
 
 
 def attend(module, query, key, value, attention_mask, scaling) -> torch.Tensor:

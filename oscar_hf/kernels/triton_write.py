@@ -26,6 +26,7 @@ from ..quantizer import QuantizedRows, clip_index, quantize
 from . import on_device_of
 
 FP32_MAX = tl.constexpr(3.4028234663852886e38)
+FULL_FLAG = 1 << 16  # set by the append kernel (triton_append.py) when a static cache is full
 TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -46,21 +47,15 @@ def _round_to(x, DT: tl.constexpr, UP: tl.constexpr):
 
 
 @triton.jit
-def _quantize_block(
-    x_ptr, stride_p, stride_n, n_per_p, rows, out_row0,
-    codes_ptr, scale_ptr, zero_ptr, flag_ptr, tiny,
-    FLAG_SHIFT: tl.constexpr, CLIP_INDEX: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
-    BITS: tl.constexpr, BLOCK_R: tl.constexpr, SCALE_DT: tl.constexpr,
-):
+def _quantize_tile(x, tiny, CLIP_INDEX: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
+                   SCALE_DT: tl.constexpr):
+    """Rows ``x`` fp32 ``[R, D]`` → (packed codes uint8 ``[R, D·bits/8]``, scale and zero ``[R, D/GROUP]`` in SCALE_DT,
+    a flag: 1 if some input is not finite, else 2 if a scale or zero overflows SCALE_DT, else 0)."""
+    BLOCK_R: tl.constexpr = x.shape[0]
     NG: tl.constexpr = D // GROUP
     NSUB: tl.constexpr = 8 // BITS
     W: tl.constexpr = D // NSUB
     LEVELS: tl.constexpr = (1 << BITS) - 1
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    live = r < rows
-    cols = tl.arange(0, D)
-    src = (r // n_per_p).to(tl.int64) * stride_p + (r % n_per_p).to(tl.int64) * stride_n
-    x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
     bad = tl.max(tl.max(tl.where(tl.abs(x) <= FP32_MAX, 0, 1), axis=1), axis=0)  # NaN compares False
     if CLIP_INDEX >= 0:  # τ bits = smallest v with #{|x| bits <= v} > CLIP_INDEX (exact order statistic)
         a = tl.abs(x).to(tl.int32, bitcast=True)
@@ -80,14 +75,32 @@ def _quantize_block(
     scale = _round_to(step, SCALE_DT, True)
     s32 = scale.to(tl.float32)
     overflow = tl.max(tl.max(tl.where((tl.abs(z32) <= FP32_MAX) & (s32 <= FP32_MAX), 0, 2), axis=1), axis=0)
-    flags = tl.where(bad != 0, 1, overflow) << FLAG_SHIFT
-    tl.atomic_or(flag_ptr, flags, mask=flags != 0)
     codes = tl.floor(tl.math.div_rn(xg - z32[:, :, None], tl.broadcast_to(s32[:, :, None], xg.shape)) + 0.5)
     codes = tl.minimum(tl.maximum(codes, 0.0), LEVELS).to(tl.int32)
     shifts = (tl.arange(0, NSUB) * BITS)[None, :, None]
     packed = tl.sum(tl.reshape(codes, [BLOCK_R, NSUB, W]) << shifts, axis=1)  # disjoint bit fields: sum == or
+    return packed.to(tl.uint8), scale, zero, tl.where(bad != 0, 1, overflow)
+
+
+@triton.jit
+def _quantize_block(
+    x_ptr, stride_p, stride_n, n_per_p, rows, out_row0,
+    codes_ptr, scale_ptr, zero_ptr, flag_ptr, tiny,
+    FLAG_SHIFT: tl.constexpr, CLIP_INDEX: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
+    BITS: tl.constexpr, BLOCK_R: tl.constexpr, SCALE_DT: tl.constexpr,
+):
+    NG: tl.constexpr = D // GROUP
+    W: tl.constexpr = D * BITS // 8
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = r < rows
+    cols = tl.arange(0, D)
+    src = (r // n_per_p).to(tl.int64) * stride_p + (r % n_per_p).to(tl.int64) * stride_n
+    x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    packed, scale, zero, flag = _quantize_tile(x, tiny, CLIP_INDEX, D, GROUP, BITS, SCALE_DT)
+    flags = flag << FLAG_SHIFT
+    tl.atomic_or(flag_ptr, flags, mask=flags != 0)
     out = (out_row0 + r).to(tl.int64)
-    tl.store(codes_ptr + out[:, None] * W + tl.arange(0, W)[None, :], packed.to(tl.uint8), mask=live[:, None])
+    tl.store(codes_ptr + out[:, None] * W + tl.arange(0, W)[None, :], packed, mask=live[:, None])
     meta = out[:, None] * NG + tl.arange(0, NG)[None, :]
     tl.store(scale_ptr + meta, scale, mask=live[:, None])
     tl.store(zero_ptr + meta, zero, mask=live[:, None])
@@ -107,6 +120,24 @@ def _quantize_kv_kernel(
     else:
         _quantize_block(v_ptr, v_stride_p, v_stride_n, n_per_p, rows, rows, codes_ptr, scale_ptr, zero_ptr, flag_ptr,
                         tiny, 2, V_CLIP_INDEX, D, GROUP, BITS, BLOCK_R, SCALE_DT)
+
+
+def kernel_clip_index(ratio: float, head_dim: int) -> int:
+    """The kernels' CLIP_INDEX for a clip ratio: ``quantizer.clip_index``, or -1 (no clipping) for 1.0."""
+    return clip_index(ratio, head_dim) if ratio < 1.0 else -1
+
+
+def raise_for_flags(flags: int, scale_dtype: torch.dtype) -> None:
+    """Raise the oracle's ValueError for a flag word (K's bits at 0, V's at 2; bit 0 non-finite input, bit 1 a scale
+    or zero overflow; checked K before V) and for ``FULL_FLAG`` (a decode step past a static cache's end)."""
+    for side in (0, 2):
+        if flags >> side & 1:
+            raise ValueError("cannot quantize K/V rows that contain NaN or inf")
+        if flags >> side & 2:
+            raise ValueError(f"K/V values exceed the range of scale_dtype {scale_dtype}; use scale_dtype='float32'")
+    if flags & FULL_FLAG:
+        raise ValueError("a decode step found the OscarQuantizedCache full (max_cache_len tokens) and did not store "
+                         "its token: build the cache with a larger max_cache_len (prompt + max_new_tokens)")
 
 
 def _rows_view(x: torch.Tensor) -> torch.Tensor:
@@ -174,7 +205,7 @@ def _launch(sides, clips, bits, group, scale_dtype) -> tuple[QuantizedRows, ...]
     zero = torch.empty_like(scale)
     if rows:
         flag = torch.zeros(1, dtype=torch.int32, device=device)
-        clip_indices = [clip_index(c, d) if c < 1.0 else -1 for c in clips]
+        clip_indices = [kernel_clip_index(c, d) for c in clips]
         block_r = max(1, 2048 // d)
         with on_device_of(k3):
             _quantize_kv_kernel[(triton.cdiv(rows, block_r), len(sides))](
@@ -183,12 +214,7 @@ def _launch(sides, clips, bits, group, scale_dtype) -> tuple[QuantizedRows, ...]
                 K_CLIP_INDEX=clip_indices[0], V_CLIP_INDEX=clip_indices[-1],
                 D=d, GROUP=group, BITS=bits, BLOCK_R=block_r, SCALE_DT=TL_DTYPES[scale_dtype], num_warps=4,
             )
-        flags = int(flag.item())
-        for side in (0, 2):  # the oracle's order: K before V, non-finite input before overflow
-            if flags >> side & 1:
-                raise ValueError("cannot quantize K/V rows that contain NaN or inf")
-            if flags >> side & 2:
-                raise ValueError(f"K/V values exceed the range of scale_dtype {scale_dtype}; use scale_dtype='float32'")
+        raise_for_flags(int(flag.item()), scale_dtype)
     lead = sides[0].shape[:-1]
     return tuple(QuantizedRows(codes[i].view(*lead, width), scale[i].view(*lead, ng), zero[i].view(*lead, ng))
                  for i in range(len(sides)))

@@ -1,0 +1,187 @@
+"""Triton append kernel: one decode step's K/V into a static OscarLayer, counts read on the device.
+
+The pure-torch twin (and oracle) is the layer's eager path, ``OscarLayer._append``: the new token goes to the sink
+while it has room, else to the recent window; when that window is full (``recent_tokens + flush_tokens - 1``
+tokens), its ``flush_tokens`` oldest tokens are first centered (the means set when the history is empty),
+clipped, quantized and packed into the history, with the write kernel's tile code (``triton_write._quantize_tile``).
+
+The recent window is a ring buffer of ``recent_tokens + flush_tokens`` rows starting at ``counts[3]``: demotion
+moves no data, and the new token never lands on a row being demoted. No host synchronisation: the counts are
+advanced by torch ops on the device, and errors (non-finite K/V, a scale overflow, a full cache) are or-ed into a
+flag word that the layer checks on its next host-side use (``triton_write.raise_for_flags``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import on_device_of
+from .triton_decode import layer_tensors
+from .triton_write import FULL_FLAG, TL_DTYPES, _quantize_tile, kernel_clip_index
+
+FULL = tl.constexpr(FULL_FLAG)
+
+
+@triton.jit
+def _demote_side(
+    ring, stride_rn, start, codes, scale, zero, stride_cn, stride_zn, n_hist, mu, tiny,
+    CAP: tl.constexpr, FLUSH: tl.constexpr, BLOCK_F: tl.constexpr, CENTERED: tl.constexpr, CLIP_INDEX: tl.constexpr,
+    D: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr, SCALE_DT: tl.constexpr,
+):
+    """Quantize the FLUSH oldest ring rows of one (batch, head) and side into history rows ``n_hist ...``;
+    returns the write kernel's flag (0, 1 non-finite, 2 overflow)."""
+    NG: tl.constexpr = D // GROUP
+    W: tl.constexpr = D * BITS // 8
+    r = tl.arange(0, BLOCK_F)
+    live = r < FLUSH
+    cols = tl.arange(0, D)
+    slots = ((start + r) % CAP).to(tl.int64)
+    x = tl.load(ring + slots[:, None] * stride_rn + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    if CENTERED:
+        if n_hist == 0:  # the first tokens to reach an empty history set its means
+            center = tl.sum(x, axis=0) / FLUSH
+            tl.store(mu + cols, center)
+        else:
+            center = tl.load(mu + cols)
+        x = tl.where(live[:, None], x - center[None, :], 0.0)
+    packed, s, z, flag = _quantize_tile(x, tiny, CLIP_INDEX, D, GROUP, BITS, SCALE_DT)
+    rows = (n_hist + r).to(tl.int64)
+    tl.store(codes + rows[:, None] * stride_cn + tl.arange(0, W)[None, :], packed, mask=live[:, None])
+    meta = rows[:, None] * stride_zn + tl.arange(0, NG)[None, :]
+    tl.store(scale + meta, s, mask=live[:, None])
+    tl.store(zero + meta, z, mask=live[:, None])
+    return flag
+
+
+@triton.jit
+def _append_token_kernel(
+    k_ptr, v_ptr, stride_nb, stride_nh,
+    sk_ptr, sv_ptr, stride_sb, stride_sh, stride_sn,
+    rk_ptr, rv_ptr, stride_rb, stride_rh, stride_rn,
+    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, stride_cb, stride_ch, stride_cn, stride_zb, stride_zh, stride_zn,
+    mu_k_ptr, mu_v_ptr, stride_mu_b, stride_mu_h,
+    counts_ptr, flag_ptr, tiny, H, max_len,
+    SINK: tl.constexpr, LIMIT: tl.constexpr, CAP: tl.constexpr, FLUSH: tl.constexpr, BLOCK_F: tl.constexpr,
+    CENTERED: tl.constexpr, K_CLIP_INDEX: tl.constexpr, V_CLIP_INDEX: tl.constexpr, D: tl.constexpr,
+    GROUP: tl.constexpr, BITS: tl.constexpr, SCALE_DT: tl.constexpr,
+):
+    # grid (B·H,): one program per (batch, KV head)
+    bh = tl.program_id(0)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    n_sink = tl.load(counts_ptr)
+    n_hist = tl.load(counts_ptr + 1)
+    n_rec = tl.load(counts_ptr + 2)
+    start = tl.load(counts_ptr + 3)
+    cols = tl.arange(0, D)
+    k = tl.load(k_ptr + b * stride_nb + h * stride_nh + cols)
+    v = tl.load(v_ptr + b * stride_nb + h * stride_nh + cols)
+    if n_sink + n_hist + n_rec >= max_len:
+        if bh == 0:
+            tl.atomic_or(flag_ptr, FULL)
+    elif n_sink < SINK:
+        sink = b * stride_sb + h * stride_sh + n_sink * stride_sn
+        tl.store(sk_ptr + sink + cols, k)
+        tl.store(sv_ptr + sink + cols, v)
+    else:
+        ring = b * stride_rb + h * stride_rh
+        if n_rec == LIMIT:
+            code_off = b * stride_cb + h * stride_ch
+            meta_off = b * stride_zb + h * stride_zh
+            mu_off = b * stride_mu_b + h * stride_mu_h
+            k_flag = _demote_side(rk_ptr + ring, stride_rn, start, kc_ptr + code_off, ks_ptr + meta_off,
+                                  kz_ptr + meta_off, stride_cn, stride_zn, n_hist, mu_k_ptr + mu_off, tiny,
+                                  CAP, FLUSH, BLOCK_F, CENTERED, K_CLIP_INDEX, D, GROUP, BITS, SCALE_DT)
+            v_flag = _demote_side(rv_ptr + ring, stride_rn, start, vc_ptr + code_off, vs_ptr + meta_off,
+                                  vz_ptr + meta_off, stride_cn, stride_zn, n_hist, mu_v_ptr + mu_off, tiny,
+                                  CAP, FLUSH, BLOCK_F, CENTERED, V_CLIP_INDEX, D, GROUP, BITS, SCALE_DT)
+            flags = k_flag | (v_flag << 2)  # triton_write's layout: K's flags at bit 0, V's at bit 2
+            tl.atomic_or(flag_ptr, flags, mask=flags != 0)
+            start = start + FLUSH
+            n_rec = n_rec - FLUSH
+        slot = ((start + n_rec) % CAP).to(tl.int64)
+        tl.store(rk_ptr + ring + slot * stride_rn + cols, k)
+        tl.store(rv_ptr + ring + slot * stride_rn + cols, v)
+
+
+def _launch(key, value, windows, history, center, counts, flags, max_len, sink_tokens, limit, flush, bits, group,
+            k_clip_index, v_clip_index):
+    """Store one token's rotated K and V ``[B, H, 1, D]`` (the model dtype) into the layer tensors of
+    ``triton_decode.layer_tensors``; ``counts`` int32 ``[4]`` is read, not advanced."""
+    batch, heads, _, d = key.shape
+    key, value = key.contiguous(), value.contiguous()
+    sink_k, sink_v, rec_k, rec_v = windows
+    kc, ks, kz, vc, vs, vz = history
+    mu = (*center, *center[0].stride()[:2]) if center else (key, key, 0, 0)
+    with on_device_of(key):
+        _append_token_kernel[(batch * heads,)](
+            key, value, key.stride(0), key.stride(1),
+            sink_k, sink_v, *sink_k.stride()[:3],
+            rec_k, rec_v, *rec_k.stride()[:3],
+            kc, ks, kz, vc, vs, vz, *kc.stride()[:3], *ks.stride()[:3],
+            *mu,
+            counts, flags, torch.finfo(ks.dtype).tiny, heads, max_len,
+            SINK=sink_tokens, LIMIT=limit, CAP=rec_k.shape[2], FLUSH=flush,
+            BLOCK_F=triton.next_power_of_2(flush), CENTERED=bool(center),
+            K_CLIP_INDEX=k_clip_index, V_CLIP_INDEX=v_clip_index, D=d, GROUP=group, BITS=bits,
+            SCALE_DT=TL_DTYPES[ks.dtype], num_warps=4,
+        )
+
+
+@torch.library.custom_op(
+    "oscar_hf::append_token", mutates_args=("windows", "history", "center", "flags")
+)
+def append_token(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    windows: list[torch.Tensor],
+    history: list[torch.Tensor],
+    center: list[torch.Tensor],
+    counts: torch.Tensor,
+    flags: torch.Tensor,
+    max_len: int,
+    sink_tokens: int,
+    limit: int,
+    flush: int,
+    bits: int,
+    group: int,
+    k_clip_index: int,
+    v_clip_index: int,
+) -> None:
+    """The append kernel as an operator that torch.compile traces and CUDA graphs capture; see :func:`_launch`."""
+    _launch(key, value, windows, history, center, counts, flags, max_len, sink_tokens, limit, flush, bits, group,
+            k_clip_index, v_clip_index)
+
+
+@append_token.register_fake
+def _(key, value, windows, history, center, counts, flags, max_len, sink_tokens, limit, flush, bits, group,
+      k_clip_index, v_clip_index):
+    return None
+
+
+def advance_counts(counts: torch.Tensor, max_len: int, sink_tokens: int, limit: int, flush: int, ring: int) -> None:
+    """Advance the counts int32 ``[4]`` (sink, history, recent, ring start) past one appended token, in place and on
+    the device, as the append kernel stored it (``ring``: rows of the recent ring buffer)."""
+    n_sink, n_hist, n_rec, start = counts.unbind()
+    room = (n_sink + n_hist + n_rec < max_len).int()
+    to_sink = (n_sink < sink_tokens).int() * room
+    to_recent = room - to_sink
+    demoted = to_recent * (n_rec == limit).int() * flush
+    counts.copy_(torch.stack([n_sink + to_sink, n_hist + demoted, n_rec + to_recent - demoted,
+                              (start + demoted) % ring]))
+
+
+def append(layer, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Store one token's rotated K and V ``[B, H, 1, D]`` into a static OscarLayer and advance its counts, on the
+    device: the graph step's half of ``OscarLayer._append``."""
+    cfg = layer.config
+    windows, history, center = layer_tensors(layer)
+    d = key.shape[-1]
+    args = (layer.max_cache_len, cfg.sink_tokens, layer.recent_limit, cfg.flush_tokens)
+    torch.ops.oscar_hf.append_token(
+        key, value, windows, history, center, layer.counts, layer.flags, *args, cfg.bits, layer.group_size,
+        kernel_clip_index(cfg.k_clip, d), kernel_clip_index(cfg.v_clip, d),
+    )
+    advance_counts(layer.counts, *args, windows[2].shape[2])
