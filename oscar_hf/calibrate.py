@@ -22,6 +22,7 @@ from .config import OscarConfig
 from .diagnostics import diagnose
 from .model_support import check_model_supported
 from .rotations import OscarRotations, hadamard_matrix
+from .tokens import bos_prefix, prefixed_chunks, text_tokens_in
 
 K_TARGETS = ("qqt", "ktk", "identity", "hadamard")
 V_TARGETS = ("sst", "softmax", "vtv", "identity", "hadamard")
@@ -124,12 +125,29 @@ def _state():
 
 
 # ----------------------------------------------------------------------------------- inputs
-def token_chunks(tokenizer, texts, num_tokens: int, max_length: int) -> list[torch.Tensor]:
-    """The first ``num_tokens`` tokens of ``texts``, documents joined by EOS, cut into ``max_length`` chunks.
+HELD_OUT_LENGTH = 1024  # longest held-out chunk for the diagnostics (they hold [T, T] attention scores)
 
+
+def token_chunks(
+    tokenizer, texts, num_tokens: int, max_length: int, held_out_tokens: int = 0
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The first tokens of ``texts``, documents joined by EOS: ``num_tokens`` of them in calibration chunks
+    ``[≤ max_length]``, then ``held_out_tokens`` in held-out chunks ``[≤ min(max_length, 1024)]``.
+
+    Every chunk starts with the tokenizer's BOS if it adds one on its own (``bos_prefix``; none for token-id
+    inputs without a tokenizer); that BOS counts in the chunk lengths and in both totals.
     ``texts``: a list of strings, a ``datasets.Dataset`` with a "text" column, a 1-D or 2-D token-id
     tensor, or a list of 1-D token-id tensors.
     """
+    bos = bos_prefix(tokenizer)
+    held_out_length = min(max_length, HELD_OUT_LENGTH)
+    count = text_tokens_in(num_tokens, max_length, bos)
+    ids = _token_ids(tokenizer, texts, count + text_tokens_in(held_out_tokens, held_out_length, bos))
+    return prefixed_chunks(ids[:count], max_length, bos), prefixed_chunks(ids[count:], held_out_length, bos)
+
+
+def _token_ids(tokenizer, texts, num_tokens: int) -> torch.Tensor:
+    """The first ``num_tokens`` token ids ``[≤ num_tokens]`` of ``texts`` (as in ``token_chunks``), no BOS."""
     if hasattr(texts, "column_names"):
         if "text" not in texts.column_names:
             raise ValueError(f"the dataset has no 'text' column (columns: {texts.column_names})")
@@ -158,7 +176,7 @@ def token_chunks(tokenizer, texts, num_tokens: int, max_length: int) -> list[tor
     ids = ids[:num_tokens]
     if not ids:
         raise ValueError("no calibration tokens: texts are empty")
-    return list(torch.tensor(ids).split(max_length))
+    return torch.tensor(ids)
 
 
 def _paragraph_pieces(text: str, size: int = 16384):
@@ -216,7 +234,8 @@ def calibrate(
 
     Args:
         texts: strings, a ``datasets.Dataset`` with a "text" column, or token-id tensors.
-        num_tokens: calibration tokens (per layer); max_length: tokens per forward chunk.
+        num_tokens: calibration tokens (per layer); max_length: tokens per forward chunk. Every chunk starts
+            with the tokenizer's BOS if it adds one on its own, counted in both (see ``token_chunks``).
         k_target: "qqt" (query covariance), "ktk", "identity" or "hadamard".
         v_target: "sst" (key-weighted value covariance, as the reference), "softmax" (exact
             VᵀSᵀSV), "vtv", "identity" or "hadamard".
@@ -241,8 +260,7 @@ def calibrate(
     compose_rotation(torch.eye(2, dtype=torch.float64), torch.ones(2), composition)  # validates the letters
     shape = check_model_supported(model)
     config = config or OscarConfig()
-    ids = torch.cat(token_chunks(tokenizer, texts, num_tokens + diagnostic_tokens, max_length))
-    chunks, held_out = list(ids[:num_tokens].split(max_length)), ids[num_tokens:]
+    chunks, held_out = token_chunks(tokenizer, texts, num_tokens, max_length, diagnostic_tokens)
     used = sum(c.numel() for c in chunks)
 
     device = _state().device if _state().num_processes > 1 else model.device
@@ -296,6 +314,6 @@ def calibrate(
         },
         config=config,
     )
-    if diagnostic_tokens and len(held_out):
-        rotations.diagnostics = diagnose(model, rotations, list(held_out.split(min(max_length, 1024))), config)
+    if held_out:
+        rotations.diagnostics = diagnose(model, rotations, held_out, config)
     return rotations

@@ -127,8 +127,7 @@ def run_demo(
     saved = rotations.save_pretrained(out_dir)
     print(f"Saved the recipe's rotation bundle to {saved}/")
 
-    held_out = torch.cat(token_chunks(tokenizer, [text], num_tokens + 2048, 1024))[num_tokens:]
-    chunks = list(held_out.split(1024))
+    _, chunks = token_chunks(tokenizer, [text], num_tokens, 1024, held_out_tokens=2048)
     named = {
         "identity (naive INT2)": OscarRotations.identity(model.config),
         "hadamard (QuaRot-style)": OscarRotations.hadamard(model.config),
@@ -136,7 +135,7 @@ def run_demo(
         "OSCAR, SmolLM2 recipe": rotations,
     }
     print(
-        f"\nDiagnostics on {held_out.numel()} held-out tokens, every layer's K and V in INT2 "
+        f"\nDiagnostics on {sum(c.numel() for c in chunks)} held-out tokens, every layer's K and V in INT2 "
         f"(group {config.resolved_group_size(model.config.head_dim)}, clip K {config.k_clip} V {config.v_clip}),"
         " layer means:"
     )

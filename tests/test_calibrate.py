@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import VOCAB, make_model
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from oscar_hf import OscarConfig, OscarRotations, calibrate, hadamard_matrix
@@ -52,13 +52,16 @@ def quick_calibrate(model, texts, tokenizer=None, **kwargs) -> OscarRotations:
     return calibrate(model, tokenizer, texts, **kwargs)
 
 
-def char_tokenizer() -> PreTrainedTokenizerFast:
-    """An offline character-level tokenizer: 4 specials + 73 characters (77 ids, below the tiny models' 96)."""
+def char_tokenizer(bos: bool = False) -> PreTrainedTokenizerFast:
+    """An offline character-level tokenizer: 4 specials + 73 characters (77 ids, below the tiny models' 96).
+    With ``bos`` it puts its BOS ``<s>`` (id 1) before every text on its own, as Gemma's does (SmolLM2's adds none)."""
     chars = string.ascii_letters + string.digits + " .,;:!?'\"-\n"
     vocab = {token: i for i, token in enumerate(["<pad>", "<s>", "</s>", "<unk>", *chars])}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
+    if bos:
+        backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
                                         eos_token="</s>", unk_token="<unk>")
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
@@ -325,17 +328,38 @@ def expected_ids(tokenizer, texts, num_tokens) -> list[int]:
 def test_token_chunks_joins_documents_with_eos_and_cuts_chunks():
     tokenizer = char_tokenizer()
     texts = [austen(120), "   ", austen(400)[200:], "never reached"]
-    chunks = token_chunks(tokenizer, texts, 300, 128)
-    assert [len(c) for c in chunks] == [128, 128, 44]
-    assert torch.cat(chunks).tolist() == expected_ids(tokenizer, [texts[0], texts[2]], 300)
+    chunks, held_out = token_chunks(tokenizer, texts, 300, 128, held_out_tokens=20)
+    assert [len(c) for c in chunks] == [128, 128, 44] and [len(c) for c in held_out] == [20]
+    assert torch.cat(chunks + held_out).tolist() == expected_ids(tokenizer, [texts[0], texts[2]], 320)
     assert chunks[0][120] == tokenizer.eos_token_id
+
+
+def test_chunks_start_with_bos_when_the_tokenizer_adds_one():
+    texts = [austen(120), austen(1000)[200:]]
+    chunks, held_out = token_chunks(char_tokenizer(bos=True), texts, 300, 128, held_out_tokens=200)
+    # BOS included: 300 = 128 + 128 + 44 calibration tokens, 200 = 128 + 72 held-out ones (chunks <= min(128, 1024))
+    assert [len(c) for c in chunks] == [128, 128, 44] and [len(c) for c in held_out] == [128, 72]
+    assert all(c[0] == 1 for c in chunks + held_out)
+    text = torch.cat([c[1:] for c in chunks + held_out]).tolist()  # the text tokens, in order, no other BOS
+    assert text == expected_ids(char_tokenizer(), texts, 500 - 5) and 1 not in text
+
+
+def test_calibration_and_diagnostics_run_on_the_bos_chunks(model):
+    tokenizer, texts = char_tokenizer(bos=True), [austen(2000)]
+    chunks, held_out = token_chunks(tokenizer, texts, 300, 64, held_out_tokens=128)
+    from_text = quick_calibrate(model, texts, tokenizer, num_tokens=300, diagnostic_tokens=128)
+    from_ids = quick_calibrate(model, torch.cat(chunks + held_out)[None], num_tokens=300, diagnostic_tokens=128)
+    assert from_text.calibration["tokens"] == 300 and [row["tokens"] for row in from_text.diagnostics] == [128, 128]
+    for name in TENSORS:
+        assert torch.equal(getattr(from_text, name), getattr(from_ids, name)), name
+    assert from_text.diagnostics == from_ids.diagnostics
 
 
 def test_token_tensor_inputs():
     ids = token_ids(3, 50)
-    assert torch.equal(torch.cat(token_chunks(None, ids, 120, 64)), ids.flatten()[:120])
-    assert torch.equal(torch.cat(token_chunks(None, list(ids), 150, 64)), ids.flatten())
-    assert torch.equal(torch.cat(token_chunks(None, ids[0], 999, 64)), ids[0])
+    assert torch.equal(torch.cat(token_chunks(None, ids, 120, 64)[0]), ids.flatten()[:120])
+    assert torch.equal(torch.cat(token_chunks(None, list(ids), 150, 64)[0]), ids.flatten())
+    assert torch.equal(torch.cat(token_chunks(None, ids[0], 999, 64)[0]), ids[0])
 
 
 def test_strings_dataset_and_token_tensor_give_the_same_rotations(model):

@@ -7,7 +7,7 @@ import string
 import pytest
 import torch
 from conftest import make_model
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from oscar_hf import OscarConfig, OscarRotations
@@ -15,7 +15,7 @@ from oscar_hf.cli import main
 from oscar_hf.evaluation import METHODS, make_cache
 from oscar_hf.evaluation.gsm8k import evaluate_gsm8k, extract_answer, load_gsm8k
 from oscar_hf.evaluation.niah import NEEDLE, evaluate_niah, needle_prompt
-from oscar_hf.evaluation.perplexity import evaluate_perplexity
+from oscar_hf.evaluation.perplexity import evaluate_perplexity, text_segments
 from oscar_hf.evaluation.runner import run_eval
 
 CHARS = string.ascii_letters + string.digits + " .,?!'\n:-"
@@ -25,12 +25,15 @@ TEXT = (
 )
 
 
-def char_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level tokenizer (ids < 96) with a minimal chat template, built offline."""
+def char_tokenizer(bos: bool = False) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer (ids < 96) with a minimal chat template, built offline; with ``bos`` it puts
+    its BOS ``<s>`` (id 1) before every text on its own, as Gemma's does."""
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     backend.decoder = decoders.Fuse()
+    if bos:
+        backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
     tok.chat_template = (
         "{% for m in messages %}{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
@@ -114,6 +117,32 @@ def test_small_windows_make_methods_differ(monkeypatch):
     bits = {r["method"]: r["bits_per_element"] for r in rows}
     assert 0 < kl["int4"] < kl["naive-int2"]
     assert bits["naive-int2"] < bits["int4"] < bits["bf16"]
+
+
+@pytest.mark.parametrize("bos", [False, True], ids=["no-bos", "bos"])
+def test_text_segments_start_with_bos_when_the_tokenizer_adds_one(bos):
+    segments = text_segments(char_tokenizer(bos), TEXT, 3, 40)
+    ids = char_tokenizer()(TEXT)["input_ids"]
+    start = len(ids) // 3
+    assert segments.shape == (3, 40) and segments[:, 0].eq(1).all() == bos
+    assert segments[:, int(bos) :].flatten().tolist() == ids[start : start + 3 * (40 - bos)]
+
+
+def test_every_perplexity_context_keeps_the_bos(tmp_path, monkeypatch):
+    import oscar_hf.evaluation.runner as runner
+
+    seen = {}
+
+    def spy(model, segments, contexts, *args, **kwargs):
+        seen[contexts[0]] = segments
+        return evaluate_perplexity(model, segments, contexts, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "evaluate_perplexity", spy)
+    run_eval(make_model("llama-mha-d64"), char_tokenizer(bos=True), "m", ["bf16"], ["perplexity"], tmp_path,
+             text=TEXT, contexts=(16, 32), score_tokens=8, segments=2)
+    assert seen[32].shape == (2, 40) and seen[16].shape == (2, 24)
+    assert seen[32][:, 0].eq(1).all() and seen[16][:, 0].eq(1).all()
+    assert torch.equal(seen[16][:, 1:], seen[32][:, 17:])  # the same 8 scored tokens after 15 of the same text
 
 
 def test_needle_prompt_and_niah_rows():

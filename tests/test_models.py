@@ -19,6 +19,9 @@ from test_calibrate import austen, char_tokenizer  # noqa: E402
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, GgufConfig  # noqa: E402
 
 from oscar_hf import check_model_supported, cli, models  # noqa: E402
+from oscar_hf.calibrate import token_chunks  # noqa: E402
+from oscar_hf.evaluation.niah import needle_prompt  # noqa: E402
+from oscar_hf.evaluation.perplexity import text_segments  # noqa: E402
 from oscar_hf.models import (  # noqa: E402
     GEMMA3_270M,
     PYPI_MODELS,
@@ -28,6 +31,7 @@ from oscar_hf.models import (  # noqa: E402
     load_pypi_model,
     load_smollm2,
 )
+from oscar_hf.tokens import bos_prefix  # noqa: E402
 
 
 # ------------------------------------------------------------------------------ offline: registry and steps
@@ -275,3 +279,16 @@ def test_gemma3_perplexity_on_austen(gemma3):
     with torch.no_grad():
         perplexity = math.exp(model(ids, labels=ids).loss.item())
     assert 25 < perplexity < 35, perplexity
+
+
+@real_model
+def test_gemma3_sequences_start_with_one_bos_and_smollm2s_with_none(gemma3, smollm2):
+    # Gemma's perplexity is 26.9 with <bos> first and 40.9 without (README); SmolLM2's tokenizer adds no BOS.
+    text = austen(20000)
+    for (_, tokenizer), bos in ((gemma3, [2]), (smollm2, [])):
+        assert bos_prefix(tokenizer) == bos
+        chunks, held_out = token_chunks(tokenizer, [text], 2048, 1024, held_out_tokens=1024)
+        sequences = [*chunks, *held_out, *text_segments(tokenizer, text, 2, 512)]
+        if bos:  # the chat template already renders <bos>: the needle prompt must not get a second one
+            sequences.append(needle_prompt(tokenizer, text, 512, 0.5, 1234567)[0])
+        assert [s[:2].eq(tokenizer.bos_token_id).tolist() for s in sequences] == [[bool(bos), False]] * len(sequences)

@@ -11,18 +11,22 @@ from __future__ import annotations
 
 import torch
 
+from ..tokens import bos_prefix, prefixed_chunks
 from .methods import METHODS, make_cache, stored_bits
 
 
 def text_segments(tokenizer, text: str, count: int, length: int, start_fraction: float = 1 / 3) -> torch.Tensor:
-    """``count`` consecutive, non-overlapping token segments ``[count, length]`` from ``text``."""
+    """``count`` segments ``[count, length]`` of consecutive, non-overlapping tokens from ``text``, each starting
+    with the tokenizer's BOS if it adds one on its own (``bos_prefix``; counted in ``length``, never scored)."""
+    bos = bos_prefix(tokenizer)
+    needed = count * (length - len(bos))
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
     start = int(len(ids) * start_fraction)
-    if start + count * length > len(ids):
-        start = max(0, len(ids) - count * length)
-    if start + count * length > len(ids):
+    if start + needed > len(ids):
+        start = max(0, len(ids) - needed)
+    if start + needed > len(ids):
         raise ValueError(f"the text has {len(ids)} tokens, fewer than {count} segments of {length}")
-    return ids[start : start + count * length].view(count, length)
+    return torch.stack(prefixed_chunks(ids[start : start + needed], length, bos))
 
 
 @torch.no_grad()

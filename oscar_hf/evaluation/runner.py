@@ -5,6 +5,9 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+import torch
+
+from ..tokens import bos_prefix
 from .gsm8k import evaluate_gsm8k, load_gsm8k
 from .niah import evaluate_niah, plot_niah
 from .perplexity import evaluate_perplexity, text_segments
@@ -43,12 +46,19 @@ def run_eval(
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     if "perplexity" in tasks:
-        batch = text_segments(tokenizer, text, segments, max(contexts) + score_tokens)
+        longest = max(contexts)
+        batch = text_segments(tokenizer, text, segments, longest + score_tokens)
+        bos = len(bos_prefix(tokenizer))  # a shorter context keeps the segments' BOS, then their last tokens
         rows += [
             r
             for context in contexts
             for r in evaluate_perplexity(
-                model, batch[:, max(contexts) - context :], [context], methods, calibrated, progress=print
+                model,
+                torch.cat([batch[:, :bos], batch[:, longest - context + bos :]], dim=1),
+                [context],
+                methods,
+                calibrated,
+                progress=print,
             )
         ]
     if "niah" in tasks:
