@@ -8,8 +8,8 @@ Per full-attention layer and KV head the cached sequence is ``sink ‖ history �
   and group of ``G = flush_tokens`` tokens), and every demotion moves whole groups;
 * ``recent``  model dtype ``[B, H, ≤ recent_tokens + flush_tokens - 1, D]``: the newest tokens, a ring buffer
   whose oldest token is row ``recent_start`` (0 except after graph steps; host-side code unrolls it first);
-* ``center``  fp32 ``[B, H, 1, D]`` per side with ``OscarConfig.centering``: the history stores ``x - center``
-  and reads back ``x̂ + center``; the first tokens to reach an empty history set it.
+* ``center``  fp32 ``[B, H, 1, D]`` per centered side (``OscarConfig.centered_sides``): the history stores
+  ``x - center`` and reads back ``x̂ + center``; the first tokens to reach an empty history set it.
 
 Window buffers grow up to those sizes; the history grows in chunks of at least HISTORY_GROWTH tokens.
 
@@ -214,9 +214,8 @@ class OscarLayer(CacheLayerMixin):
         self.sink = _Segment({"key": empty(dim, dtype=self.dtype), "value": empty(dim, dtype=self.dtype)})
         self.recent = _Segment({"key": empty(dim, dtype=self.dtype), "value": empty(dim, dtype=self.dtype)})
         codes, groups, scale_dtype = dim * cfg.bits // 8, dim // self.group_size, cfg.torch_scale_dtype
-        means = 1 if cfg.centering else 0
-        self.center = _Segment({side: torch.zeros(batch, heads, means, dim, device=self.device)
-                                for side in ("key", "value")})
+        self.center = _Segment({side: torch.zeros(batch, heads, int(side in cfg.centered_sides), dim,
+                                                  device=self.device) for side in ("key", "value")})
         # per side: (scale and zero columns, tokens per scale row)
         layouts = {"per-token": (groups, 1), "per-channel": (dim, cfg.flush_tokens)}
         meta = {"key": layouts[cfg.key_quantization], "value": layouts["per-token"]}
@@ -330,11 +329,10 @@ class OscarLayer(CacheLayerMixin):
     def _quantize_into_history(self, rows: dict[str, torch.Tensor]) -> None:
         cfg = self.config
         n = rows["key"].shape[2]
-        if cfg.centering:
-            if not self.n_history:  # the first rows to reach the history (usually the prompt) set the means
-                for side, t in rows.items():
-                    self.center[side].copy_(t.float().mean(dim=2, keepdim=True))
-            rows = {s: t.float() - self.center[s] for s, t in rows.items()}
+        if not self.n_history:  # the first rows to reach the history (usually the prompt) set the means
+            for side in cfg.centered_sides:
+                self.center[side].copy_(rows[side].float().mean(dim=2, keepdim=True))
+        rows = {s: t.float() - self.center[s] if s in cfg.centered_sides else t for s, t in rows.items()}
         needed = self.n_history + n
         if needed > self.history.capacity:
             capacity = max(needed, self.history.capacity + max(HISTORY_GROWTH, self.history.capacity // 8))
@@ -361,7 +359,7 @@ class OscarLayer(CacheLayerMixin):
         layout = self.config.key_quantization if side == "key" else "per-token"
         rows = QuantizedRows(h[f"{side}_codes"], h[f"{side}_scale"], h[f"{side}_zero"])
         history = DEQUANTIZERS[layout](rows, self.config.bits)
-        return history + self.center[side] if self.config.centering else history
+        return history + self.center[side] if side in self.config.centered_sides else history
 
     def materialize(self, side: str, stop: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The stored sequence ``sink ‖ dequantized history ‖ recent`` of ``side`` ("key" or "value"),

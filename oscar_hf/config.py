@@ -15,7 +15,6 @@ KEY_QUANTIZATIONS = ("per-token", "per-channel")
 # What per-channel K needs of the other fields: field -> (required value, why).
 PER_CHANNEL_KEY_NEEDS = {
     "k_clip": (1.0, "clipping is per token"),
-    "centering": (False, "its token groups already take out each channel's offset"),
     "quantizer": ("uniform", "Lloyd-Max levels are per token"),
 }
 
@@ -48,10 +47,11 @@ class OscarConfig:
         centering: quantize ``x - μ`` instead of ``x``, with ``μ`` the mean K (V) per sequence and KV head over
             the first tokens that reach the history (for a prompt: all of it but the windows), stored in fp32
             and added back on reading. Keys carry large constant channels that a per-token 2-bit grid wastes
-            its levels on; removing them costs one vector per sequence and head.
+            its levels on; removing them costs one vector per sequence and head. With per-channel K only V is
+            centered (K's token groups already take out each channel's offset).
         key_quantization: "per-token" (K like V) or "per-channel" (KIVI's key layout: one scale and zero per
             channel and group of ``flush_tokens`` consecutive tokens, which then always reach the history whole;
-            needs k_clip=1.0, centering=False and quantizer="uniform"). V is per token either way.
+            needs k_clip=1.0 and quantizer="uniform"). V is per token either way.
         backend: "auto" (triton on CUDA when triton is installed, else torch), "torch" (dequantize + SDPA,
             the reference) or "triton" (fused INT2 write and decode kernels; calls they do not cover, such as
             fp32 models or queries of several tokens, fall back to the torch path).
@@ -126,6 +126,13 @@ class OscarConfig:
         return group
 
     @property
+    def centered_sides(self) -> tuple[str, ...]:
+        """The sides whose history is stored centered: both, V alone with per-channel K, or none."""
+        if not self.centering:
+            return ()
+        return ("value",) if self.key_quantization == "per-channel" else ("key", "value")
+
+    @property
     def demotion_unit(self) -> int:
         """The history grows by multiples of this: ``flush_tokens`` (a token group) with per-channel K, else 1."""
         return self.flush_tokens if self.key_quantization == "per-channel" else 1
@@ -145,7 +152,7 @@ class OscarConfig:
             return history
         past_windows = max(seq_len - self.sink_tokens - self.recent_tokens, 0)
         quantized = past_windows // self.demotion_unit * self.demotion_unit
-        center = 32 if self.centering and quantized else 0  # one fp32 mean per head and side
+        center = 16 * len(self.centered_sides) if quantized else 0  # one fp32 mean per head and centered side
         return ((seq_len - quantized) * model_bits + quantized * history + center) / seq_len
 
     def to_dict(self) -> dict:

@@ -191,6 +191,21 @@ class OscarRotations:
         )
 
     # ------------------------------------------------------------------- model compatibility
+    def with_identity_keys(self) -> "OscarRotations":
+        """This bundle with every K rotation the identity (for per-channel K, whose grid needs K's own channels:
+        a rotation spreads the outlier channels it would give their own scales); V's rotations are kept."""
+        eye = torch.eye(self.head_dim).expand_as(self.key_rotation)
+        return OscarRotations(
+            eye,
+            self.value_rotation,
+            num_kv_heads=self.num_kv_heads,
+            value_eigenvalues=self.value_eigenvalues,
+            source_model=self.source_model,
+            method=f"{self.method}, identity K",
+            calibration=self.calibration,
+            config=self.config,
+        )
+
     def check_compatible(self, model_config) -> None:
         """Raise ValueError naming the first field in which this bundle does not fit ``model_config``."""
         shape = ModelShape.from_config(model_config)

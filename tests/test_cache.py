@@ -306,6 +306,29 @@ def assert_holds(layer: OscarLayer, rotated: dict[str, torch.Tensor]) -> None:
         torch.testing.assert_close(layer.materialize(side), expected, rtol=0, atol=1e-5)
 
 
+def test_per_channel_keys_with_centered_values():
+    """centering with per-channel K centers V alone: K is stored as without it, V's history holds v - μ_V."""
+    layer = make_layer(**{**PER_CHANNEL, "centering": True})
+    keys, values = rows(30, 0), rows(30, 1)
+    layer.update(keys, values)
+    rotated = rotate_all(layer, keys, values, [30])
+    torch.testing.assert_close(layer.materialize("key"), expected_per_channel_sequence(layer, rotated["key"], "key"),
+                               rtol=0, atol=1e-5)
+    s, q = layer.n_sink, layer.n_history
+    mean = rotated["value"][:, :, s : s + q].mean(2, keepdim=True)
+    assert layer.center["key"].numel() == 0
+    torch.testing.assert_close(layer.center["value"], mean)
+    cfg = layer.config
+    history = quantize(rotated["value"][:, :, s : s + q] - mean, bits=cfg.bits, clip=cfg.v_clip,
+                       scale_dtype=cfg.torch_scale_dtype)
+    torch.testing.assert_close(layer.materialize("value")[:, :, s : s + q], dequantize(history, cfg.bits) + mean,
+                               rtol=0, atol=1e-5)
+    bits, _ = layer.stored_bits_and_elements()
+    uncentered = make_layer(**PER_CHANNEL)
+    uncentered.update(keys, values)
+    assert bits == uncentered.stored_bits_and_elements()[0] + 32 * B * H * D  # one fp32 μ_V per row and head
+
+
 def test_per_channel_prefill_demotes_whole_token_groups():
     layer = make_layer(**PER_CHANNEL)  # sink 4, recent 8, token group 4
     keys, values = rows(30, 0), rows(30, 1)

@@ -82,7 +82,6 @@ def test_scale_dtype_accepts_torch_dtypes(dtype, name):
         pytest.param(dict(quantizer="lloyd-max", bits=4), "quantizer", id="lloyd-max-bits-4"),
         pytest.param(dict(key_quantization="per-head"), "key_quantization", id="key_quantization-per-head"),
         pytest.param(dict(key_quantization="per-channel", centering=False), "k_clip", id="per-channel-clipped"),
-        pytest.param(dict(key_quantization="per-channel", k_clip=1.0), "centering", id="per-channel-centered"),
         pytest.param({**PER_CHANNEL, "quantizer": "lloyd-max"}, "quantizer", id="per-channel-lloyd-max"),
     ],
 )
@@ -140,6 +139,8 @@ def test_group_larger_than_head_dim_raises():
         pytest.param(dict(group_size=32, flush_tokens=32, **PER_CHANNEL), None, 3.0, id="per-channel-g32-history"),
         pytest.param(dict(group_size=128, flush_tokens=32, **PER_CHANNEL), None, 2.625, id="per-channel-g128-history"),
         pytest.param(dict(group_size=32, flush_tokens=32, **PER_CHANNEL), 131072, 3.0317, id="per-channel-128k"),
+        pytest.param(dict(group_size=32, flush_tokens=32, **{**PER_CHANNEL, "centering": True}), 131072,
+                     3.0317 + 16 / 131072, id="per-channel-128k-centered-v"),
         # windows hold what the whole token groups leave: 1000 - 64 - 256 = 680 = 21·32 + 8
         pytest.param(dict(group_size=32, flush_tokens=32, **PER_CHANNEL), 1000, 7.264, id="per-channel-1000"),
         pytest.param(
@@ -157,7 +158,7 @@ def test_bits_per_element(fields, seq_len, expected):
 def test_per_channel_error_says_why():
     with pytest.raises(ValueError, match=r"k_clip must be 1.0 when key_quantization='per-channel' \(clipping is per"):
         OscarConfig(key_quantization="per-channel")
-    with pytest.raises(ValueError, match="centering must be False when key_quantization='per-channel'"):
-        OscarConfig(key_quantization="per-channel", k_clip=1.0)
+    assert OscarConfig(key_quantization="per-channel", k_clip=1.0).centered_sides == ("value",)
+    assert OscarConfig().centered_sides == ("key", "value") and OscarConfig(centering=False).centered_sides == ()
     assert OscarConfig(flush_tokens=16, **PER_CHANNEL).demotion_unit == 16
     assert OscarConfig(flush_tokens=16).demotion_unit == 1

@@ -51,6 +51,7 @@ def test_methods_registry_presets():
         "kivi-2",
         "oscar",
         "oscar-uncentered",
+        "oscar-channel-k",
         "oscar-lloyd-max",
     ]
     assert type(make_cache("bf16", model)).__name__ == "DynamicCache"
@@ -79,6 +80,13 @@ def test_methods_registry_presets():
     calibrated.method = "oscar"
     oscar = make_cache("oscar-lloyd-max", model, calibrated)
     assert (oscar.config.quantizer, oscar.config.k_clip, oscar.rotations.method) == ("lloyd-max", 0.96, "oscar")
+    channel_k = make_cache("oscar-channel-k", model, calibrated)  # identity K rotations, the bundle's V rotations
+    assert torch.equal(channel_k.rotations.key_rotation, torch.eye(64).expand(2, 64, 64))
+    assert torch.equal(channel_k.rotations.value_rotation, calibrated.value_rotation)
+    cfg = channel_k.config
+    assert (cfg.key_quantization, cfg.flush_tokens, cfg.group_size, cfg.k_clip, cfg.v_clip) == (
+        "per-channel", 64, 64, 1.0, 0.92)
+    assert cfg.centered_sides == ("value",) and cfg.bits_per_element(64) == pytest.approx(2.5)
     with pytest.raises(ValueError, match="calibrated rotations"):
         make_cache("oscar", model)
 

@@ -1,7 +1,8 @@
 """The methods registry: each KV-cache method is a named preset of OscarConfig plus rotations.
 
 ``rotations`` says where a method's rotations come from: None (the default cache, no OSCAR at
-all), "identity", "hadamard" (data-free), or "calibrated" (the bundle given to the harness).
+all), "identity", "hadamard" (data-free), "calibrated" (the bundle given to the harness), or
+"calibrated-values" (that bundle's V rotations, identity for K).
 """
 
 from __future__ import annotations
@@ -87,6 +88,22 @@ METHODS: dict[str, Method] = {
             "calibrated",
             {"quantizer": "uniform", "centering": False},
         ),
+        # Gemma-3-270M (eval/results/gemma3-270m/investigation): 92% of OSCAR's KL comes from K, whose outlier
+        # channels a per-token grid cannot hold; unrotated per-channel K (KIVI's layout, 64-token groups) fixes it.
+        Method(
+            "oscar-channel-k",
+            "INT2: K per channel in groups of 64 tokens, unrotated; V as oscar (calibrated rotation, per token in "
+            "groups of 128 channels or head_dim, clipping, centering)",
+            "calibrated-values",
+            {
+                "key_quantization": "per-channel",
+                "flush_tokens": 64,
+                "group_size": "min(128, head_dim)",
+                "k_clip": 1.0,
+                "quantizer": "uniform",
+                "centering": True,
+            },
+        ),
         Method(
             "oscar-lloyd-max",
             "as oscar, with Lloyd-Max levels",
@@ -108,10 +125,10 @@ def make_cache(method: str | Method, model, calibrated: OscarRotations | None = 
     method = METHODS[method] if isinstance(method, str) else method
     if method.rotations is None:
         return DynamicCache(config=model.config)
-    if method.rotations == "calibrated":
+    if method.rotations.startswith("calibrated"):
         if calibrated is None:
             raise ValueError(f"method {method.name!r} needs calibrated rotations (--rotations)")
-        rotations = calibrated
+        rotations = calibrated if method.rotations == "calibrated" else calibrated.with_identity_keys()
     else:
         rotations = getattr(OscarRotations, method.rotations)(model.config)
     base = calibrated.config if calibrated is not None else None
