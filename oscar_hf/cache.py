@@ -253,38 +253,38 @@ class OscarLayer(CacheLayerMixin):
 
     # -------------------------------------------------------------------------------- writes
     def takes_graph_step(self, key_states: torch.Tensor) -> bool:
-        """Whether ``update(key_states)`` runs :meth:`update_on_device` (a static layer's one-token step)."""
+        """Whether ``update(key_states)`` is a graph step: a static layer's one token, stored by the device-only
+        append operator with no host synchronisation (torch.compile traces it whole)."""
         return self.is_initialized and self.graph_step and key_states.shape[2] == 1
-
-    def update_on_device(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[OscarKV, OscarKV]:
-        """``update`` of one token ``[B, H, 1, D]`` with no host synchronisation (torch.compile traces it whole)."""
-        from .kernels.triton_append import append
-
-        new = {
-            "key": rotate(key_states, self.key_rotation),
-            "value": rotate(value_states, self.value_rotation),
-        }
-        append(self, new["key"], new["value"])
-        return OscarKV(self, new["key"]), OscarKV(self, new["value"])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[OscarKV, OscarKV]:
         """Rotate and store new K/V ``[B, H, n, D]``; return handles for the attention function."""
-        if self.takes_graph_step(key_states):
-            return self.update_on_device(key_states, value_states)
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.check_flags()
-        if self.max_cache_len is not None and self.length + key_states.shape[2] > self.max_cache_len:
-            raise ValueError(
-                f"OscarQuantizedCache(max_cache_len={self.max_cache_len}) cannot take {key_states.shape[2]} more "
-                f"tokens after {self.length}: build it with a larger max_cache_len (prompt + max_new_tokens)"
-            )
+        graph_step = self.takes_graph_step(key_states)
+        if not graph_step:
+            self._check_room(key_states, value_states)
         new = {
             "key": rotate(key_states, self.key_rotation),
             "value": rotate(value_states, self.value_rotation),
         }
-        self._append(new)
+        if graph_step:
+            from .kernels.triton_append import append
+
+            append(self, new["key"], new["value"])
+        else:
+            self._append(new)
         return OscarKV(self, new["key"]), OscarKV(self, new["value"])
+
+    def _check_room(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Initialize on the first update; raise what device-side steps flagged, or when a static layer cannot
+        take ``key_states``' tokens."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.check_flags()
+        if self.max_cache_len is not None and (length := self.length) + key_states.shape[2] > self.max_cache_len:
+            raise ValueError(
+                f"OscarQuantizedCache(max_cache_len={self.max_cache_len}) cannot take {key_states.shape[2]} more "
+                f"tokens after {length}: build it with a larger max_cache_len (prompt + max_new_tokens)"
+            )
 
     def check_flags(self) -> None:
         """Raise what a static layer's device-side steps flagged (non-finite K/V, a scale overflow, a full cache)."""
@@ -401,7 +401,7 @@ class OscarLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the newest ``-tokens_to_remove`` tokens (transformers passes a negative count, sometimes as a
-        0-d tensor: the counts must stay Python ints, which the kernels take as lengths)."""
+        0-d tensor: a growing layer's counts must stay Python ints)."""
         tokens_to_remove = int(tokens_to_remove)
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative number of tokens to remove; got {tokens_to_remove}")

@@ -106,30 +106,6 @@ def _append_token_kernel(
         tl.store(rv_ptr + ring + slot * stride_rn + cols, v)
 
 
-def _launch(key, value, windows, history, center, counts, flags, max_len, sink_tokens, limit, flush, bits, group,
-            k_clip_index, v_clip_index):
-    """Store one token's rotated K and V ``[B, H, 1, D]`` (the model dtype) into the layer tensors of
-    ``triton_decode.layer_tensors``; ``counts`` int32 ``[4]`` is read, not advanced."""
-    batch, heads, _, d = key.shape
-    key, value = key.contiguous(), value.contiguous()
-    sink_k, sink_v, rec_k, rec_v = windows
-    kc, ks, kz, vc, vs, vz = history
-    mu = (*center, *center[0].stride()[:2]) if center else (key, key, 0, 0)
-    with on_device_of(key):
-        _append_token_kernel[(batch * heads,)](
-            key, value, key.stride(0), key.stride(1),
-            sink_k, sink_v, *sink_k.stride()[:3],
-            rec_k, rec_v, *rec_k.stride()[:3],
-            kc, ks, kz, vc, vs, vz, *kc.stride()[:3], *ks.stride()[:3],
-            *mu,
-            counts, flags, torch.finfo(ks.dtype).tiny, heads, max_len,
-            SINK=sink_tokens, LIMIT=limit, CAP=rec_k.shape[2], FLUSH=flush,
-            BLOCK_F=triton.next_power_of_2(flush), CENTERED=bool(center),
-            K_CLIP_INDEX=k_clip_index, V_CLIP_INDEX=v_clip_index, D=d, GROUP=group, BITS=bits,
-            SCALE_DT=TL_DTYPES[ks.dtype], num_warps=4,
-        )
-
-
 @torch.library.custom_op(
     "oscar_hf::append_token", mutates_args=("windows", "history", "center", "flags")
 )
@@ -150,9 +126,27 @@ def append_token(
     k_clip_index: int,
     v_clip_index: int,
 ) -> None:
-    """The append kernel as an operator that torch.compile traces and CUDA graphs capture; see :func:`_launch`."""
-    _launch(key, value, windows, history, center, counts, flags, max_len, sink_tokens, limit, flush, bits, group,
-            k_clip_index, v_clip_index)
+    """Store one token's rotated K and V ``[B, H, 1, D]`` (the model dtype) into the layer tensors of
+    ``triton_decode.layer_tensors``, as an operator that torch.compile traces and CUDA graphs capture; ``counts``
+    int32 ``[4]`` is read, not advanced (:func:`advance_counts`)."""
+    batch, heads, _, d = key.shape
+    key, value = key.contiguous(), value.contiguous()
+    sink_k, sink_v, rec_k, rec_v = windows
+    kc, ks, kz, vc, vs, vz = history
+    mu = (*center, *center[0].stride()[:2]) if center else (key, key, 0, 0)
+    with on_device_of(key):
+        _append_token_kernel[(batch * heads,)](
+            key, value, key.stride(0), key.stride(1),
+            sink_k, sink_v, *sink_k.stride()[:3],
+            rec_k, rec_v, *rec_k.stride()[:3],
+            kc, ks, kz, vc, vs, vz, *kc.stride()[:3], *ks.stride()[:3],
+            *mu,
+            counts, flags, torch.finfo(ks.dtype).tiny, heads, max_len,
+            SINK=sink_tokens, LIMIT=limit, CAP=rec_k.shape[2], FLUSH=flush,
+            BLOCK_F=triton.next_power_of_2(flush), CENTERED=bool(center),
+            K_CLIP_INDEX=k_clip_index, V_CLIP_INDEX=v_clip_index, D=d, GROUP=group, BITS=bits,
+            SCALE_DT=TL_DTYPES[ks.dtype], num_warps=4,
+        )
 
 
 @append_token.register_fake
