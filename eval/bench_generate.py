@@ -28,10 +28,14 @@ Decode, per (model, method, T, batch): a fresh cache is filled with T tokens of 
 min_new_tokens=N, do_sample=False)`` runs N = warmup + steps + 1 one-token forward passes: generate feeds only the
 last prompt token, and the cache must go from T to T+N tokens. A logits processor records a CUDA event after every
 step. ``ms_per_step`` and ``decode_tok_s`` (batch x steps / seconds) come from the steps after the first ``warmup``
-decode steps; ``compile_s`` is what the warm-up steps took beyond as many timed steps (torch.compile and CUDA-graph
-capture for the compiled method). ``peak_mem_gb``: torch.cuda.max_memory_allocated during the generate call, i.e.
-weights + cache + decode working set (``base_mem_gb``: allocated before the cache). ``cache_gb``: the bytes of the
-cache's tensors after the call (``cache.nbytes`` for OSCAR). Memory in GiB. Cases whose cache alone cannot fit in
+decode steps. ``forward_ms`` (compiled methods): after generate, the compiled decode forward of its last step is
+called ``steps`` more times back to back with the same inputs (one CUDA graph replay each; every call stores one more
+token, so the caches are built with room for them): the decode step without generate's host work between steps
+(sampling, stopping criteria, input preparation). ``compile_s`` is what the warm-up steps took beyond as many timed
+steps (torch.compile and CUDA-graph capture for the compiled method). ``peak_mem_gb``:
+torch.cuda.max_memory_allocated during the generate call, i.e. weights + cache + decode working set
+(``base_mem_gb``: allocated before the cache). ``cache_gb``: the bytes of the cache's tensors after the call
+(``cache.nbytes`` for OSCAR). Memory in GiB. Cases whose cache alone cannot fit in
 the free memory are reported as "oom (...)" without being run.
 
 Prefill (``prefill_s``): a real ``generate(max_new_tokens=1)`` over T random tokens at batch 1, and at the grid's
@@ -163,10 +167,10 @@ METHODS = {m.name: m for m in (
 CAPACITY_METHODS = ("oscar", "bf16-dynamic")
 
 COLUMNS = ["model", "method", "kind", "T", "batch", "prefill_s", "prefill_chunk", "decode_tok_s", "ms_per_step",
-           "compile_s", "fill_s", "generate_s", "compiled", "graphs", "base_mem_gb", "peak_mem_gb", "cache_gb",
-           "status", "prefill_status"]
-TABLE = ["model", "method", "kind", "T", "batch", "prefill_s", "decode_tok_s", "ms_per_step", "compile_s",
-         "peak_mem_gb", "cache_gb", "status"]
+           "forward_ms", "compile_s", "fill_s", "generate_s", "compiled", "graphs", "base_mem_gb", "peak_mem_gb",
+           "cache_gb", "status", "prefill_status"]
+TABLE = ["model", "method", "kind", "T", "batch", "prefill_s", "decode_tok_s", "ms_per_step", "forward_ms",
+         "compile_s", "peak_mem_gb", "cache_gb", "status"]
 LOG: list[str] = []
 
 
@@ -246,6 +250,47 @@ class StepClock(LogitsProcessor):
             raise RuntimeError("NaN or +inf logits")
 
 
+class ForwardRecorder:
+    """Stands in for generate's compiled forward (``model._compiled_call``) and keeps the arguments of its last call,
+    so that the compiled decode step can be replayed without generate's loop around it."""
+
+    def __init__(self, forward: Callable):
+        self.forward, self.kwargs = forward, None
+
+    def __call__(self, **kwargs):
+        self.kwargs = kwargs
+        return self.forward(**kwargs)
+
+
+@contextlib.contextmanager
+def recorded_forward(model: torch.nn.Module, compiled: bool):
+    """Yields a ForwardRecorder installed as the compiled forward that generate will call, or None when generate
+    does not compile (or this transformers keeps it elsewhere)."""
+    if not compiled:
+        yield None
+        return
+    model.get_compiled_call(model.generation_config.compile_config)
+    if not hasattr(model, "_compiled_call"):
+        yield None
+        return
+    recorder = model._compiled_call = ForwardRecorder(model._compiled_call)
+    try:
+        yield recorder
+    finally:
+        model._compiled_call = recorder.forward
+
+
+@torch.no_grad()  # as generate: grad mode is part of the compiled graphs' guards
+def replay_ms(recorder: ForwardRecorder, steps: int, device: torch.device) -> float:
+    """ms per call of the recorded forward, called ``steps`` times back to back after one untimed call (one CUDA
+    graph replay each for the compiled methods: the decode step without generate's host work between steps)."""
+    recorder.forward(**recorder.kwargs)
+    start = timestamp(device)
+    for _ in range(steps):
+        recorder.forward(**recorder.kwargs)
+    return 1e3 * seconds(start, timestamp(device)) / steps
+
+
 @contextlib.contextmanager
 def lm_head_positions(model: torch.nn.Module):
     """Yields a list that receives, for every call of the LM head, the number of positions it computed."""
@@ -309,7 +354,7 @@ def measure_decode(model: torch.nn.Module, method: Method, length: int, batch: i
     new_tokens = profile.warmup + profile.steps + 1
     cuda = device.type == "cuda"
     base = torch.cuda.memory_allocated(device) if cuda else None
-    cache = method.make(model, length + new_tokens)
+    cache = method.make(model, length + new_tokens + profile.steps + 1)  # room for the replays
     start = timestamp(device)
     fill_cache(cache, shape, batch, length, profile.fill_chunk_bytes if method.chunked_fill else None, device)
     fill_s = seconds(start, timestamp(device))
@@ -320,25 +365,27 @@ def measure_decode(model: torch.nn.Module, method: Method, length: int, batch: i
     graphs = compiled_graphs()
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    start = timestamp(device)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
-                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                         logits_processor=LogitsProcessorList([clock]))
-    generate_s = seconds(start, timestamp(device))
-    clock.check(new_tokens)
-    check_length(cache, length + new_tokens)
+    with recorded_forward(model, compiled) as recorder:
+        start = timestamp(device)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             logits_processor=LogitsProcessorList([clock]))
+        generate_s = seconds(start, timestamp(device))
+        clock.check(new_tokens)
+        check_length(cache, length + new_tokens)
+        peak = torch.cuda.max_memory_allocated(device) / GIB if cuda else None
+        forward_ms = replay_ms(recorder, profile.steps, device) if recorder and recorder.kwargs else None
     if out.shape != (batch, length + 1 + new_tokens):
         raise RuntimeError(f"generate returned {tuple(out.shape)}")
     timed_s = seconds(clock.marks[profile.warmup], clock.marks[-1])
     step_s = timed_s / profile.steps
-    result = {"decode_tok_s": batch * profile.steps / timed_s, "ms_per_step": 1e3 * step_s,
+    result = {"decode_tok_s": batch * profile.steps / timed_s, "ms_per_step": 1e3 * step_s, "forward_ms": forward_ms,
               "compile_s": max(0.0, seconds(clock.marks[0], clock.marks[profile.warmup]) - profile.warmup * step_s),
               "fill_s": fill_s, "generate_s": generate_s, "compiled": compiled,
               "graphs": clock.graphs[-1] - graphs, "cache_gb": cache_bytes(cache) / GIB,
-              "base_mem_gb": base / GIB if cuda else None,
-              "peak_mem_gb": torch.cuda.max_memory_allocated(device) / GIB if cuda else None}
-    if clock.graphs[-1] != clock.graphs[profile.warmup]:
-        result["status"] = "error: torch.compile compiled during the timed steps (raise --warmup)"
+              "base_mem_gb": base / GIB if cuda else None, "peak_mem_gb": peak}
+    if compiled_graphs() != clock.graphs[profile.warmup]:
+        result["status"] = "error: torch.compile compiled during the timed steps or replays (raise --warmup)"
     return result
 
 
@@ -446,7 +493,8 @@ def prefill_cases(profile: Profile) -> list[tuple[int, int]]:
     return [(length, batches[0]) for length in lengths] + [(lengths[0], batch) for batch in batches[1:2]]
 
 
-DECODE_FIELDS = ("decode_tok_s", "ms_per_step", "compile_s", "graphs", "fill_s", "peak_mem_gb", "cache_gb", "status")
+DECODE_FIELDS = ("decode_tok_s", "ms_per_step", "forward_ms", "compile_s", "graphs", "fill_s", "peak_mem_gb",
+                 "cache_gb", "status")
 PREFILL_FIELDS = ("prefill_s", "prefill_chunk", "prefill_status")
 
 

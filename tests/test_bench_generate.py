@@ -109,3 +109,24 @@ def test_prefill_is_retried_in_chunks_after_an_oom(monkeypatch):
     result = bench.prefill_case(None, bench.METHODS["bf16-static-compiled"], 131072, 1, profile)
     assert chunks == [None, profile.prefill_chunk]
     assert result == {"prefill_s": 1.5, "prefill_chunk": profile.prefill_chunk, "prefill_status": "ok"}
+
+
+@pytest.mark.parametrize("name", ["oscar-compiled", "bf16-static-compiled"])
+def test_compiled_forward_is_replayed_without_generate(name):
+    """forward_ms: generate's compiled decode forward, called again with its last inputs (each call counts one more
+    token in the cache), without recompiling; the recorder is removed afterwards."""
+    from transformers import CompileConfig
+
+    model = bench.build_model("qwen3-tiny", torch.device("cpu"))
+    config = CompileConfig(backend="aot_eager", mode=None)  # CPU: no CUDA graphs, same replay path
+    config._compile_all_devices = True
+    model.generation_config.compile_config = config
+    profile = replace(bench.SMOKE, steps=2, warmup=2)
+    made, make = [], bench.METHODS[name].make
+    method = replace(bench.METHODS[name], make=lambda model, tokens: made.append(make(model, tokens)) or made[-1])
+    bench.use_attention(model, method)
+    row = bench.measure_decode(model, method, 96, 1, profile)
+    assert row["compiled"] and row["forward_ms"] > 0 and "status" not in row, row.get("status")
+    generated = 96 + profile.warmup + profile.steps + 1
+    assert int(made[0].get_seq_length()) == generated + profile.steps + 1
+    assert not isinstance(model._compiled_call, bench.ForwardRecorder)

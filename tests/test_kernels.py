@@ -26,7 +26,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward  # n
 from oscar_hf import OscarConfig, OscarLayer, OscarQuantizedCache, OscarRotations  # noqa: E402
 from oscar_hf.kernels import ATTENTION_BACKENDS, WRITE_BACKENDS, naive  # noqa: E402
 from oscar_hf.kernels.triton_decode import DecodeConfig, attend, decode  # noqa: E402
-from oscar_hf.kernels.triton_write import quantize_pack, quantize_pack_kv  # noqa: E402
+from oscar_hf.kernels.triton_write import kernel_supports, quantize_pack, quantize_pack_kv  # noqa: E402
 from oscar_hf.quantizer import QuantizedRows, quantize, unpack  # noqa: E402
 
 DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -84,6 +84,9 @@ def test_write_kernel_falls_back_to_the_oracle():
     assert_same_rows(quantize_pack(x, method="lloyd-max"), quantize(x, method="lloyd-max"))
     x96 = randn(8, 96, seed=4)  # not a power of two
     assert_same_rows(quantize_pack(x96, clip=0.96), quantize(x96, clip=0.96))
+    # a group narrower than a channel sub-tile (INT4 at D=128: W = 64 > 32)
+    assert not kernel_supports(x, 32, "uniform", 4) and kernel_supports(x, 64, "uniform", 4)
+    assert_same_rows(quantize_pack(x, bits=4, group_size=32), quantize(x, bits=4, group_size=32))
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy meets the NaN/inf in the interpreter

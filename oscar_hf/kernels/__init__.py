@@ -84,7 +84,7 @@ def graph_step_supported(layer) -> bool:
 
     keys = layer.sink["key"]
     return triton_decode.layer_supports(layer, layer.dtype, layer.device) and triton_write.kernel_supports(
-        keys, layer.group_size, layer.config.quantizer
+        keys, layer.group_size, layer.config.quantizer, layer.config.bits
     )
 
 

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from . import on_device_of
 from .triton_decode import layer_tensors
-from .triton_write import FULL_FLAG, TL_DTYPES, _quantize_tile, kernel_clip_index
+from .triton_write import FULL_FLAG, TL_DTYPES, _quantize_tile, _store_rows, kernel_clip_index
 
 FULL = tl.constexpr(FULL_FLAG)
 
@@ -32,26 +32,24 @@ def _demote_side(
 ):
     """Quantize the FLUSH oldest ring rows of one (batch, head) and side into history rows ``n_hist ...``;
     returns the write kernel's flag (0, 1 non-finite, 2 overflow)."""
-    NG: tl.constexpr = D // GROUP
     W: tl.constexpr = D * BITS // 8
     r = tl.arange(0, BLOCK_F)
     live = r < FLUSH
-    cols = tl.arange(0, D)
     slots = ((start + r) % CAP).to(tl.int64)
-    x = tl.load(ring + slots[:, None] * stride_rn + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-    if CENTERED:
-        if n_hist == 0:  # the first tokens to reach an empty history set its means
-            center = tl.sum(x, axis=0) / FLUSH
-            tl.store(mu + cols, center)
-        else:
-            center = tl.load(mu + cols)
-        x = tl.where(live[:, None], x - center[None, :], 0.0)
-    packed, s, z, flag = _quantize_tile(x, tiny, CLIP_INDEX, D, GROUP, BITS, SCALE_DT)
-    rows = (n_hist + r).to(tl.int64)
-    tl.store(codes + rows[:, None] * stride_cn + tl.arange(0, W)[None, :], packed, mask=live[:, None])
-    meta = rows[:, None] * stride_zn + tl.arange(0, NG)[None, :]
-    tl.store(scale + meta, s, mask=live[:, None])
-    tl.store(zero + meta, z, mask=live[:, None])
+    xs = ()
+    for i in tl.static_range(8 // BITS):  # the write kernel's channel sub-tiles
+        cols = i * W + tl.arange(0, W)
+        x = tl.load(ring + slots[:, None] * stride_rn + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        if CENTERED:
+            if n_hist == 0:  # the first tokens to reach an empty history set its means
+                center = tl.sum(x, axis=0) / FLUSH
+                tl.store(mu + cols, center)
+            else:
+                center = tl.load(mu + cols)
+            x = tl.where(live[:, None], x - center[None, :], 0.0)
+        xs = xs + (x,)
+    packed, scales, zeros, flag = _quantize_tile(xs, tiny, CLIP_INDEX, GROUP, BITS, SCALE_DT)
+    _store_rows(codes, scale, zero, (n_hist + r).to(tl.int64), stride_cn, stride_zn, live, packed, scales, zeros)
     return flag
 
 
