@@ -1,8 +1,10 @@
 """Per-layer diagnostics of a rotation bundle on held-out tokens: what INT2 does to K, V and attention.
 
-For every layer, with each chunk's whole K and V quantized (no windows, so the numbers isolate the
-quantizer; centered on the chunk's mean with ``OscarConfig.centering``): relative K and V error
-``‖x̂ − x‖²/‖x‖²``, attention-score ``KL(p_full ‖ p_int2)``
+For every layer, with each chunk's whole K and V quantized in the layout the cache stores (no windows, so the
+numbers isolate the quantizer): V per token, K per token or, with ``key_quantization="per-channel"``, per channel
+over groups of ``flush_tokens`` consecutive tokens (a chunk's last partial group stays exact, as the cache keeps it
+in its recent window); the sides in ``OscarConfig.centered_sides`` centered on the chunk's mean. Reports relative
+K and V error ``‖x̂ − x‖²/‖x‖²``, attention-score ``KL(p_full ‖ p_int2)``
 (causal, mean over query rows and heads), relative attention-output error, and clip rates.
 """
 
@@ -12,7 +14,7 @@ import torch
 
 from .capture import run_capture
 from .config import OscarConfig
-from .quantizer import clip_rows, dequantize, quantize
+from .quantizer import clip_rows, dequantize, dequantize_per_channel, quantize, quantize_per_channel
 from .rotations import OscarRotations
 
 METRICS = ("k_error", "v_error", "score_kl", "output_error", "k_clip_rate", "v_clip_rate")
@@ -25,12 +27,23 @@ class DiagnosticsObserver:
         self.rotations, self.config = rotations, config
         self.sums: dict[int, dict[str, float]] = {}
 
-    def _quantized(self, x: torch.Tensor, clip: float) -> torch.Tensor:
-        """``x [B, H, T, D]`` through the quantizer (centered on its mean over T, as the cache does)."""
+    def _quantized(self, x: torch.Tensor, clip: float, side: str) -> torch.Tensor:
+        """``x [B, H, T, D]`` of ``side`` ("key" or "value") through the quantizer in the layout the cache stores
+        it (centered on its mean over T when ``side`` is in ``centered_sides``, as the cache does); ``clip`` is the
+        per-token clip ratio (per-channel K is never clipped)."""
         cfg = self.config
-        center = x.mean(dim=2, keepdim=True) if cfg.centering else torch.zeros_like(x[:, :, :1])
+        centered = side in cfg.centered_sides
+        center = x.mean(dim=2, keepdim=True) if centered else torch.zeros_like(x[:, :, :1])
+        x = x - center
+        if side == "key" and cfg.key_quantization == "per-channel":
+            # whole token groups, as the cache demotes them; the last partial group stays exact (recent window)
+            whole = x.shape[2] // cfg.flush_tokens * cfg.flush_tokens
+            rows = quantize_per_channel(
+                x[:, :, :whole], token_group=cfg.flush_tokens, bits=cfg.bits, scale_dtype=cfg.torch_scale_dtype
+            )
+            return torch.cat([dequantize_per_channel(rows, cfg.bits), x[:, :, whole:]], dim=2) + center
         rows = quantize(
-            x - center,
+            x,
             bits=cfg.bits,
             group_size=cfg.group_size,
             clip=clip,
@@ -44,7 +57,7 @@ class DiagnosticsObserver:
         r_k = self.rotations.key_rotation[layer_idx].to(device)
         r_v = self.rotations.value_rotation[layer_idx].to(device)
         k, v = key.float() @ r_k, value.float() @ r_v
-        k_hat, v_hat = self._quantized(k, cfg.k_clip), self._quantized(v, cfg.v_clip)
+        k_hat, v_hat = self._quantized(k, cfg.k_clip, "key"), self._quantized(v, cfg.v_clip, "value")
         b, h, t, d = k.shape
         q = (query.float() @ r_k).reshape(b, h, -1, t, d)  # [B, H, g, T, D]
         causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()

@@ -1,0 +1,100 @@
+"""oscar_hf.diagnostics simulates the layout the cache stores: per-token or per-channel K (token groups of
+flush_tokens), centering on OscarConfig.centered_sides only; checked against the quantizer on synthetic K/V with
+outlier channels, and end to end on a tiny random model."""
+
+import math
+
+import pytest
+import torch
+from conftest import VOCAB, make_model
+
+from oscar_hf import OscarConfig, OscarRotations, diagnose
+from oscar_hf.diagnostics import METRICS, DiagnosticsObserver
+from oscar_hf.quantizer import dequantize, dequantize_per_channel, quantize, quantize_per_channel
+
+B, H, G, T, D = 1, 2, 2, 128, 64  # batch, KV heads, query heads per KV head, tokens, head_dim
+PER_TOKEN = OscarConfig(group_size=32, k_clip=1.0, flush_tokens=16)
+PER_CHANNEL = PER_TOKEN.replace(key_quantization="per-channel")
+
+
+def outlier_keys(seed: int = 0) -> torch.Tensor:
+    """K ``[B, H, T, D]`` with a few large channels, as Gemma's global layers have: an offset and a slow swing over
+    the tokens (which centering does not take out), so a per-token 2-bit grid spends its levels on them while a
+    per-channel one over a few consecutive tokens sees a narrow range."""
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(B, H, T, D, generator=gen)
+    phase = 2 * math.pi * torch.rand(4, generator=gen)
+    swing = torch.cos(2 * math.pi * torch.arange(T)[:, None] / T + phase)  # [T, 4]
+    k[..., :4] = 40.0 + 30.0 * swing + 0.5 * torch.randn(B, H, T, 4, generator=gen)
+    return k
+
+
+def observed(config: OscarConfig, key: torch.Tensor, seed: int = 1) -> dict:
+    """One observe() of ``key`` (identity rotations) with random queries and values; that layer's metrics."""
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(B, H * G, T, D, generator=gen) / 8
+    value = torch.randn(B, H, T, D, generator=gen) + 3.0
+    eye = torch.eye(D).expand(1, D, D)
+    observer = DiagnosticsObserver(OscarRotations(eye, eye, num_kv_heads=H), config)
+    scaling = D**-0.5
+    p = torch.einsum("bhgtd,bhsd->bhgts", query.reshape(B, H, G, T, D), key) * scaling
+    p = p.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -torch.inf).softmax(-1)
+    output = torch.einsum("bhgts,bhsd->bhgtd", p, value).reshape(B, H * G, T, D)
+    observer.observe(0, query, key, value, output, scaling)
+    return observer.results()[0]
+
+
+def relative_error(x_hat: torch.Tensor, x: torch.Tensor) -> float:
+    return float(((x_hat - x) ** 2).sum() / (x**2).sum())
+
+
+def test_per_channel_keys_are_quantized_per_channel_over_token_groups_uncentered():
+    k = outlier_keys()
+    row = observed(PER_CHANNEL, k)
+    # the cache's layout: K per channel over groups of flush_tokens, not centered (centered_sides is V alone)
+    assert PER_CHANNEL.centered_sides == ("value",)
+    rows = quantize_per_channel(k, token_group=PER_CHANNEL.flush_tokens, bits=2, scale_dtype=torch.float16)
+    assert row["k_error"] == pytest.approx(relative_error(dequantize_per_channel(rows, 2), k), rel=1e-6)
+    centered = k - k.mean(dim=2, keepdim=True)
+    rows = quantize_per_channel(centered, token_group=PER_CHANNEL.flush_tokens, bits=2, scale_dtype=torch.float16)
+    assert row["k_error"] != pytest.approx(relative_error(dequantize_per_channel(rows, 2), centered), rel=1e-6)
+    assert row["k_clip_rate"] == 0.0
+
+
+def test_per_channel_keys_beat_per_token_on_outlier_channels():
+    k = outlier_keys()
+    token, channel = observed(PER_TOKEN, k), observed(PER_CHANNEL, k)
+    assert channel["k_error"] < 0.2 * token["k_error"], (channel["k_error"], token["k_error"])
+    assert channel["score_kl"] < 0.2 * token["score_kl"], (channel["score_kl"], token["score_kl"])
+    assert channel["v_error"] == token["v_error"]  # V is per token and centered in both layouts
+
+
+def test_per_token_keys_and_values_are_centered_and_quantized_per_token():
+    k = outlier_keys()
+    for config in (PER_TOKEN, PER_TOKEN.replace(centering=False), OscarConfig(group_size=32)):
+        row = observed(config, k)
+        center = k.mean(dim=2, keepdim=True) if config.centering else 0.0
+        rows = quantize(k - center, bits=2, group_size=32, clip=config.k_clip, scale_dtype=torch.float16)
+        assert row["k_error"] == pytest.approx(relative_error(dequantize(rows, 2) + center, k), rel=1e-6)
+
+
+def test_per_channel_partial_token_group_stays_exact():
+    """A chunk whose length is not a multiple of flush_tokens: its last tokens stay exact, as in the recent window."""
+    k = outlier_keys()[:, :, : 2 * PER_CHANNEL.flush_tokens + 5]
+    k_hat = DiagnosticsObserver(None, PER_CHANNEL)._quantized(k, 1.0, "key")
+    whole = 2 * PER_CHANNEL.flush_tokens
+    assert torch.equal(k_hat[:, :, whole:], k[:, :, whole:])
+    rows = quantize_per_channel(k[:, :, :whole], token_group=PER_CHANNEL.flush_tokens, scale_dtype=torch.float16)
+    assert torch.equal(k_hat[:, :, :whole], dequantize_per_channel(rows, 2))
+
+
+def test_diagnose_per_channel_on_a_tiny_model():
+    model = make_model("qwen3-gqa-qknorm-d128")
+    chunks = [torch.randint(3, VOCAB, (64,), generator=torch.Generator().manual_seed(seed)) for seed in range(2)]
+    rotations = OscarRotations.identity(model.config)
+    config = OscarConfig(k_clip=1.0, flush_tokens=16)
+    token = diagnose(model, rotations, chunks, config)
+    channel = diagnose(model, rotations, chunks, config.replace(key_quantization="per-channel"))
+    for row_t, row_c in zip(token, channel):
+        assert row_c["tokens"] == 128 and all(math.isfinite(row_c[name]) for name in METRICS)
+        assert row_c["k_error"] != row_t["k_error"] and row_c["v_error"] == row_t["v_error"]
