@@ -35,8 +35,12 @@ token, so the caches are built with room for them): the decode step without gene
 steps (torch.compile and CUDA-graph capture for the compiled method). ``peak_mem_gb``:
 torch.cuda.max_memory_allocated during the generate call, i.e. weights + cache + decode working set
 (``base_mem_gb``: allocated before the cache). ``cache_gb``: the bytes of the cache's tensors after the call
-(``cache.nbytes`` for OSCAR). Memory in GiB. Cases whose cache alone cannot fit in
-the free memory are reported as "oom (...)" without being run.
+(``cache.nbytes`` for OSCAR). Memory in GiB, summed over the GPUs the model uses. Cases whose cache alone cannot fit
+in the free memory are reported as "oom (...)" without being run.
+
+Several GPUs (``--gpus N``): the decoder layers are split evenly over GPUs 0..N-1 with ``accelerate.dispatch_model``
+(the placement ``device_map`` gives), each cache layer lives on its attention layer's GPU, and the cache is filled
+there; timestamps are CUDA events on the first GPU, which waits for the last one's logits every step.
 
 Prefill (``prefill_s``): a real ``generate(max_new_tokens=1)`` over T random tokens at batch 1, and at the grid's
 second batch (8) for the shortest T, eager for every method (``disable_compile``); it is retried with
@@ -115,6 +119,8 @@ class Profile:
     prefill_chunk: int  # prefill_chunk_size of the retry when an unchunked prefill runs out of memory
     fill_chunk_bytes: int  # K+V bytes per cache.update when filling a cache
     budget_s: float  # no case starts later than this, counted from the end of the imports (~15 s on a GPU host)
+    gpus: int = 1  # the model's layers split evenly over this many GPUs (accelerate.dispatch_model)
+    capacity: bool = True  # run the capacity search
 
 
 FULL = Profile(("qwen3-8b", "llama3.1-8b"), (4096, 32768, 131072), (1, 8, 32), steps=16, warmup=3, max_batch=512,
@@ -181,8 +187,10 @@ def say(line: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ setup
-def build_model(name: str, device: torch.device) -> torch.nn.Module:
-    """A random-weight bf16 ``MODELS[name]``, initialized directly on ``device``, in eval mode."""
+def build_model(name: str, device: torch.device, gpus: int = 1) -> torch.nn.Module:
+    """A random-weight bf16 ``MODELS[name]``, initialized directly on ``device``, in eval mode; with ``gpus > 1``
+    its decoder layers are then split evenly over GPUs 0..gpus-1 (embeddings on the first, norm and LM head on the
+    last), as ``device_map`` would place them."""
     config_class, fields = MODELS[name]
     config = getattr(transformers, config_class)(**fields)
     torch.manual_seed(0)
@@ -191,7 +199,35 @@ def build_model(name: str, device: torch.device) -> torch.nn.Module:
     if not model._supports_logits_to_keep():
         raise RuntimeError(f"{name}: forward takes no logits_to_keep, so generate would compute logits over the prompt")
     model.generation_config.pad_token_id = 0
+    if gpus > 1:
+        from accelerate import dispatch_model
+
+        model = dispatch_model(model, device_map=split_map(config.num_hidden_layers, gpus))
     return model.eval()
+
+
+def split_map(layers: int, gpus: int) -> dict[str, int]:
+    """A device_map with the decoder layers split evenly over GPUs 0..gpus-1 in order, the embeddings on the first,
+    the final norm, rotary embedding and LM head on the last."""
+    last = gpus - 1
+    return {"model.embed_tokens": 0, **{f"model.layers.{i}": i * gpus // layers for i in range(layers)},
+            "model.norm": last, "model.rotary_emb": last, "lm_head": last}
+
+
+def layer_devices(model: torch.nn.Module) -> list[torch.device]:
+    """The device of each decoder layer's weights."""
+    return [next(layer.parameters()).device for layer in model.model.layers]
+
+
+def memory_gib(model: torch.nn.Module, stat: Callable[[torch.device], int]) -> float | None:
+    """``stat`` (bytes of a device: torch.cuda.memory_allocated, ...) summed over the model's GPUs, in GiB (None on
+    the CPU)."""
+    devices = {d for d in layer_devices(model) if d.type == "cuda"}
+    return sum(stat(d) for d in devices) / GIB if devices else None
+
+
+def free_gib(model: torch.nn.Module) -> float:
+    return memory_gib(model, lambda d: torch.cuda.mem_get_info(d)[0])
 
 
 def free_memory() -> None:
@@ -205,13 +241,23 @@ def out_of_time(profile: Profile) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------- timing
-def timestamp(device: torch.device):
-    """A point in time without synchronizing: a CUDA event recorded on the current stream, or the host clock."""
+def timestamp(device: torch.device | None):
+    """A point in time without synchronizing: a CUDA event recorded on the current stream, or the host clock (on the
+    CPU, and for None: a model split over several GPUs, after synchronizing them all)."""
+    if device is None:
+        for index in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(index)
+        return time.perf_counter()
     if device.type != "cuda":
         return time.perf_counter()
     event = torch.cuda.Event(enable_timing=True)
     event.record()
     return event
+
+
+def clock_device(model: torch.nn.Module) -> torch.device | None:
+    """The device whose events time ``model``'s steps, or None when its layers span several GPUs."""
+    return model.device if len(set(layer_devices(model))) == 1 else None
 
 
 def seconds(start, stop) -> float:
@@ -235,10 +281,10 @@ class StepClock(LogitsProcessor):
     def __init__(self, device: torch.device):
         self.device = device
         self.marks, self.graphs = [], []
-        self.finite = torch.ones((), dtype=torch.bool, device=device)
+        self.finite = torch.ones((), dtype=torch.bool, device=device)  # (device None: the CPU)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        self.finite &= (scores < math.inf).all()
+        self.finite &= (scores < math.inf).all().to(self.finite.device)
         self.marks.append(timestamp(self.device))
         self.graphs.append(compiled_graphs())
         return scores
@@ -331,17 +377,19 @@ def check_length(cache, expected: int) -> None:
 
 
 @torch.no_grad()
-def fill_cache(cache, shape: ModelShape, batch: int, tokens: int, chunk_bytes: int | None, device: torch.device):
-    """Write ``tokens`` tokens of random bf16 K/V into every layer through ``cache.update``, chunk by chunk with all
-    layers per chunk, as a chunked prefill would (``chunk_bytes`` None: one chunk). One random chunk is reused:
-    values do not change timings."""
+def fill_cache(cache, shape: ModelShape, batch: int, tokens: int, chunk_bytes: int | None,
+               devices: list[torch.device]):
+    """Write ``tokens`` tokens of random bf16 K/V into every layer (on ``devices[layer]``) through ``cache.update``,
+    chunk by chunk with all layers per chunk, as a chunked prefill would (``chunk_bytes`` None: one chunk). One random
+    chunk per device is reused: values do not change timings."""
     per_token = batch * shape.num_kv_heads * shape.head_dim * 2 * 2
     chunk = tokens if chunk_bytes is None else max(1, min(tokens, chunk_bytes // per_token))
-    kv = torch.randn(2, batch, shape.num_kv_heads, chunk, shape.head_dim, dtype=torch.bfloat16, device=device)
+    kv = {d: torch.randn(2, batch, shape.num_kv_heads, chunk, shape.head_dim, dtype=torch.bfloat16, device=d)
+          for d in set(devices)}
     for start in range(0, tokens, chunk):
         n = min(chunk, tokens - start)
         for layer in range(shape.num_layers):
-            cache.update(kv[0, :, :, :n], kv[1, :, :, :n], layer)
+            cache.update(kv[devices[layer]][0, :, :, :n], kv[devices[layer]][1, :, :, :n], layer)
 
 
 def random_ids(model: torch.nn.Module, batch: int, tokens: int) -> torch.Tensor:
@@ -350,21 +398,21 @@ def random_ids(model: torch.nn.Module, batch: int, tokens: int) -> torch.Tensor:
 
 def measure_decode(model: torch.nn.Module, method: Method, length: int, batch: int, profile: Profile) -> dict:
     """Fill a fresh ``method`` cache with ``length`` tokens at ``batch``, then time generate's decode steps over it."""
-    device, shape = model.device, ModelShape.from_config(model.config)
+    device, shape = clock_device(model), ModelShape.from_config(model.config)
     new_tokens = profile.warmup + profile.steps + 1
-    cuda = device.type == "cuda"
-    base = torch.cuda.memory_allocated(device) if cuda else None
+    base = memory_gib(model, torch.cuda.memory_allocated)
     cache = method.make(model, length + new_tokens + profile.steps + 1)  # room for the replays
     start = timestamp(device)
-    fill_cache(cache, shape, batch, length, profile.fill_chunk_bytes if method.chunked_fill else None, device)
+    fill_cache(cache, shape, batch, length, profile.fill_chunk_bytes if method.chunked_fill else None,
+               layer_devices(model))
     fill_s = seconds(start, timestamp(device))
     check_length(cache, length)
     ids = random_ids(model, batch, length + 1)
     clock = StepClock(device)
     compiled = model._valid_auto_compile_criteria({"past_key_values": cache}, model.generation_config)
     graphs = compiled_graphs()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
+    for d in {d for d in layer_devices(model) if d.type == "cuda"}:
+        torch.cuda.reset_peak_memory_stats(d)
     with recorded_forward(model, compiled) as recorder:
         start = timestamp(device)
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
@@ -373,7 +421,7 @@ def measure_decode(model: torch.nn.Module, method: Method, length: int, batch: i
         generate_s = seconds(start, timestamp(device))
         clock.check(new_tokens)
         check_length(cache, length + new_tokens)
-        peak = torch.cuda.max_memory_allocated(device) / GIB if cuda else None
+        peak = memory_gib(model, torch.cuda.max_memory_allocated)
         forward_ms = replay_ms(recorder, profile.steps, device) if recorder and recorder.kwargs else None
     if out.shape != (batch, length + 1 + new_tokens):
         raise RuntimeError(f"generate returned {tuple(out.shape)}")
@@ -383,7 +431,7 @@ def measure_decode(model: torch.nn.Module, method: Method, length: int, batch: i
               "compile_s": max(0.0, seconds(clock.marks[0], clock.marks[profile.warmup]) - profile.warmup * step_s),
               "fill_s": fill_s, "generate_s": generate_s, "compiled": compiled,
               "graphs": clock.graphs[-1] - graphs, "cache_gb": cache_bytes(cache) / GIB,
-              "base_mem_gb": base / GIB if cuda else None, "peak_mem_gb": peak}
+              "base_mem_gb": base, "peak_mem_gb": peak}
     if compiled_graphs() != clock.graphs[profile.warmup]:
         result["status"] = "error: torch.compile compiled during the timed steps or replays (raise --warmup)"
     return result
@@ -391,7 +439,7 @@ def measure_decode(model: torch.nn.Module, method: Method, length: int, batch: i
 
 def measure_prefill(model: torch.nn.Module, method: Method, length: int, batch: int, chunk: int | None) -> dict:
     """Time a real eager prefill: ``generate(max_new_tokens=1)`` over ``length`` random tokens, chunked if ``chunk``."""
-    device = model.device
+    device = clock_device(model)
     cache = method.make(model, length + 1)
     ids = random_ids(model, batch, length)
     clock = StepClock(device)
@@ -444,7 +492,7 @@ def decode_case(model: torch.nn.Module, method: Method, length: int, batch: int,
     if model.device.type == "cuda":
         shape = ModelShape.from_config(model.config)
         elements = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * length * batch
-        needed, free = method.bits(shape, length) * elements / 8 / GIB, torch.cuda.mem_get_info(model.device)[0] / GIB
+        needed, free = method.bits(shape, length) * elements / 8 / GIB, free_gib(model)
         if needed > free:
             return {"status": f"oom (the cache needs {needed:.1f} GiB, {free:.1f} GiB free)"}
     return attempt(measure_decode, model, method, length, batch, profile)
@@ -470,7 +518,7 @@ def capacity_case(model: torch.nn.Module, method: Method, length: int, profile: 
     batch = profile.max_batch
     if tried[1]["peak_mem_gb"] is not None:
         per_sequence = tried[1]["peak_mem_gb"] - tried[1]["base_mem_gb"]
-        batch = min(batch, max(1, int(torch.cuda.mem_get_info(model.device)[0] / GIB // per_sequence)))
+        batch = min(batch, max(1, int(free_gib(model) // per_sequence)))
     while 1 <= batch <= profile.max_batch and not out_of_time(profile):
         if batch not in tried:
             tried[batch] = attempt(measure_decode, model, method, length, batch, profile)
@@ -509,8 +557,9 @@ def bench_model(name: str, methods: list[Method], profile: Profile, device: torc
     capacity. That puts the large batches last, and makes torch.compile build three graphs per model (static shapes;
     batch 1 and any T; any batch and T) where an order by cache size would make four."""
     start = time.perf_counter()
-    model = build_model(name, device)
-    say(f"built {name} on {device} in {time.perf_counter() - start:.1f} s "
+    model = build_model(name, device, profile.gpus)
+    where = f"{profile.gpus} GPUs" if profile.gpus > 1 else device
+    say(f"built {name} on {where} in {time.perf_counter() - start:.1f} s "
         f"({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters)")
     grid = {}
     cases = sorted(itertools.product(profile.lengths, profile.batches), key=lambda case: (case[1], case[0]))
@@ -530,7 +579,7 @@ def bench_model(name: str, methods: list[Method], profile: Profile, device: torc
             row.update(prefill_case(model, method, length, batch, profile))
             progress(row, PREFILL_FIELDS)
     capacity = []
-    for method in (m for m in methods if m.name in CAPACITY_METHODS):
+    for method in (m for m in methods if m.name in CAPACITY_METHODS and profile.capacity):
         use_attention(model, method)
         length = max(profile.lengths)
         capacity.append({"model": name, "method": method.name, "kind": "capacity", "T": length,
@@ -637,12 +686,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny random models, small T: the whole script in < 1 minute "
                    "on a CPU (longer on a GPU, where it also compiles)")
     p.add_argument("--device", help="cuda or cpu (default: cuda if available; only --smoke runs on the CPU)")
+    p.add_argument("--gpus", type=positive, help="split each model's layers over this many GPUs (default 1)")
+    p.add_argument("--no-capacity", dest="capacity", action="store_false", default=None,
+                   help="skip the capacity search")
     p.add_argument("--out", default="eval/results", help="folder for the CSV, .log and .png")
     args = p.parse_args()
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.device.type != "cuda" and not args.smoke:
         p.error("the full benchmark needs a CUDA GPU (--smoke runs on the CPU)")
-    overrides = {k: getattr(args, k) for k in ("models", "lengths", "batches", "steps", "warmup", "budget_s")}
+    if (args.gpus or 1) > max(1, torch.cuda.device_count()):
+        p.error(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} CUDA devices")
+    overrides = {k: getattr(args, k) for k in ("models", "lengths", "batches", "steps", "warmup", "budget_s", "gpus",
+                                             "capacity")}
     args.profile = replace(SMOKE if args.smoke else FULL, **{k: v for k, v in overrides.items() if v is not None})
     return args
 

@@ -11,7 +11,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from .cache import ATTN_IMPLEMENTATION, OscarKV, rotate
+from .cache import ATTN_IMPLEMENTATION, OscarKV
 from .capture import CapturedKV
 from .kernels import attention_backend
 
@@ -41,9 +41,8 @@ def oscar_attention_forward(
         from .kernels.triton_decode import decode_on_device  # triton is imported on first use (TRITON_INTERPRET)
 
         layer = key.layer
-        rotated_query = rotate(query, layer.key_rotation)
-        out = decode_on_device(rotated_query, layer, attention_mask, scaling)
-        return rotate(out, layer.value_rotation.mT), None
+        out = decode_on_device(layer.rotate_keys(query), layer, attention_mask, scaling)
+        return layer.unrotate_values(out), None
     return _attend_on_host(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
 
 
@@ -61,10 +60,9 @@ def _attend_on_host(module, query, key, value, attention_mask, dropout, scaling,
     if kwargs.get("sliding_window") is not None:
         raise NotImplementedError("a sliding-window attention layer reached an OSCAR (full-attention) cache layer")
     layer = key.layer
-    rotated_query = rotate(query, layer.key_rotation)
     attend = attention_backend(layer.config.backend, query.device)
-    out = attend(module, rotated_query, key, value, attention_mask, scaling)
-    return rotate(out, layer.value_rotation.mT), None
+    out = attend(module, layer.rotate_keys(query), key, value, attention_mask, scaling)
+    return layer.unrotate_values(out), None
 
 
 def register() -> None:

@@ -47,6 +47,10 @@ def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     return (x.reshape(-1, x.shape[-1]).to(rotation.dtype) @ rotation).view(x.shape).to(x.dtype)
 
 
+def _is_identity(rotation: torch.Tensor) -> bool:
+    return torch.equal(rotation, torch.eye(rotation.shape[-1], dtype=rotation.dtype, device=rotation.device))
+
+
 class OscarKV:
     """What ``update`` hands to the attention function in place of K or V ``[B, H, T, D]``.
 
@@ -169,6 +173,8 @@ class OscarLayer(CacheLayerMixin):
         self.config = config
         self.key_rotation = key_rotation
         self.value_rotation = value_rotation
+        # an identity rotation (data-free baselines, per-channel K, an absorbed V) costs no GEMM per step
+        self.rotates_keys, self.rotates_values = (not _is_identity(r) for r in (key_rotation, value_rotation))
         self.max_cache_len = max_cache_len
         # static buffers and a fixed mask size: generate may compile the model around the cache (see the class doc)
         self.is_compileable = max_cache_len is not None
@@ -194,6 +200,18 @@ class OscarLayer(CacheLayerMixin):
     def recent_limit(self) -> int:
         """Most tokens the recent window holds: ``recent_tokens + flush_tokens - 1``."""
         return self.config.recent_tokens + self.config.flush_tokens - 1
+
+    def rotate_keys(self, x: torch.Tensor) -> torch.Tensor:
+        """Queries or keys ``[..., D]`` in the K basis the cache stores (x itself for an identity rotation)."""
+        return rotate(x, self.key_rotation) if self.rotates_keys else x
+
+    def rotate_values(self, x: torch.Tensor) -> torch.Tensor:
+        """Values ``[..., D]`` in the V basis the cache stores (x itself for an identity rotation)."""
+        return rotate(x, self.value_rotation) if self.rotates_values else x
+
+    def unrotate_values(self, out: torch.Tensor) -> torch.Tensor:
+        """An attention output ``[..., D]`` read in the stored V basis, back in the model's (``out @ R_Vᵀ``)."""
+        return rotate(out, self.value_rotation.mT) if self.rotates_values else out
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, dim = key_states.shape
@@ -263,8 +281,8 @@ class OscarLayer(CacheLayerMixin):
         if not graph_step:
             self._check_room(key_states, value_states)
         new = {
-            "key": rotate(key_states, self.key_rotation),
-            "value": rotate(value_states, self.value_rotation),
+            "key": self.rotate_keys(key_states),
+            "value": self.rotate_values(value_states),
         }
         if graph_step:
             from .kernels.triton_append import append

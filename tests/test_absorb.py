@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import VOCAB, make_model
 
+import oscar_hf.cache as cache_module
 from oscar_hf import ModelShape, OscarQuantizedCache, OscarRotations, absorb_value_rotation
 
 ARCHS = ["qwen2-gqa-bias-d64", "llama-mha-d64"]  # GQA with a v_proj bias; MHA without biases
@@ -67,7 +68,7 @@ def test_same_logits_through_an_unquantized_cache(models):
 
 
 @torch.no_grad()
-def test_same_greedy_generation_with_int2_history(models):
+def test_same_greedy_generation_with_int2_history(models, monkeypatch):
     """Sink 4, recent 4: most of the 40-token prompt is read back from INT2. Both caches store v·R_V (rotated
     at write time, or emitted so by v_proj), so the two runs agree up to float rounding."""
     model, bundle, absorbed, absorbed_bundle = models
@@ -80,7 +81,12 @@ def test_same_greedy_generation_with_int2_history(models):
         return out.sequences, torch.stack(out.logits)
 
     tokens, logits = generate(model, bundle)
+    calls = []
+    real_rotate = cache_module.rotate
+    monkeypatch.setattr(cache_module, "rotate", lambda x, r: calls.append(r.shape) or real_rotate(x, r))
     absorbed_tokens, absorbed_logits = generate(absorbed, absorbed_bundle)
+    # the absorbed V rotation is the identity: the cache skips its GEMMs (only q and k are rotated per layer)
+    assert len(calls) == 2 * len(absorbed.model.layers) * 8  # 8 forwards (prefill + 7 decode steps)
     assert torch.equal(absorbed_tokens, tokens)
     torch.testing.assert_close(absorbed_logits, logits, atol=1e-4, rtol=0)  # INT2 moves them by ~0.1
 

@@ -76,7 +76,7 @@ class FakeDevice:
     def __init__(self, monkeypatch, fits: int, free_gib: float):
         self.fits, self.tried = fits, []
         monkeypatch.setattr(bench, "measure_decode", self.measure_decode)
-        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free_gib * bench.GIB, 80 * bench.GIB))
+        monkeypatch.setattr(bench, "free_gib", lambda model: free_gib)  # summed over the model's GPUs
 
     def measure_decode(self, model, method, length, batch, profile):
         self.tried.append(batch)
@@ -130,3 +130,11 @@ def test_compiled_forward_is_replayed_without_generate(name):
     generated = 96 + profile.warmup + profile.steps + 1
     assert int(made[0].get_seq_length()) == generated + profile.steps + 1
     assert not isinstance(model._compiled_call, bench.ForwardRecorder)
+
+
+def test_split_map_spreads_the_layers_evenly_in_order():
+    device_map = bench.split_map(36, 2)
+    layers = [device_map[f"model.layers.{i}"] for i in range(36)]
+    assert layers == [0] * 18 + [1] * 18
+    assert device_map["model.embed_tokens"] == 0 and device_map["lm_head"] == device_map["model.norm"] == 1
+    assert [bench.split_map(32, 3)[f"model.layers.{i}"] for i in range(32)].count(2) == 10
