@@ -114,7 +114,8 @@ class Profile:
     lengths: tuple[int, ...]
     batches: tuple[int, ...]
     steps: int  # timed decode steps
-    warmup: int  # decode steps before them
+    warmup: int  # decode steps before them: enough for the OSCAR cache's first demotion (every flush_tokens = 8 steps),
+    # whose first write-kernel launch in a process compiles it (one ~2.5 s step on an H100)
     max_batch: int  # where the capacity search stops
     prefill_chunk: int  # prefill_chunk_size of the retry when an unchunked prefill runs out of memory
     fill_chunk_bytes: int  # K+V bytes per cache.update when filling a cache
@@ -123,7 +124,7 @@ class Profile:
     capacity: bool = True  # run the capacity search
 
 
-FULL = Profile(("qwen3-8b", "llama3.1-8b"), (4096, 32768, 131072), (1, 8, 32), steps=16, warmup=3, max_batch=512,
+FULL = Profile(("qwen3-8b", "llama3.1-8b"), (4096, 32768, 131072), (1, 8, 32), steps=16, warmup=9, max_batch=512,
                prefill_chunk=16384, fill_chunk_bytes=256 << 20, budget_s=460)
 SMOKE = Profile(("qwen3-tiny", "llama-tiny"), (128, 512), (1, 4), steps=4, warmup=2, max_batch=6,
                 prefill_chunk=256, fill_chunk_bytes=64 << 10, budget_s=math.inf)
