@@ -114,8 +114,7 @@ class Profile:
     lengths: tuple[int, ...]
     batches: tuple[int, ...]
     steps: int  # timed decode steps
-    warmup: int  # decode steps before them: enough for the OSCAR cache's first demotion (every flush_tokens = 8 steps),
-    # whose first write-kernel launch in a process compiles it (one ~2.5 s step on an H100)
+    warmup: int  # decode steps before them
     max_batch: int  # where the capacity search stops
     prefill_chunk: int  # prefill_chunk_size of the retry when an unchunked prefill runs out of memory
     fill_chunk_bytes: int  # K+V bytes per cache.update when filling a cache
@@ -124,7 +123,7 @@ class Profile:
     capacity: bool = True  # run the capacity search
 
 
-FULL = Profile(("qwen3-8b", "llama3.1-8b"), (4096, 32768, 131072), (1, 8, 32), steps=16, warmup=9, max_batch=512,
+FULL = Profile(("qwen3-8b", "llama3.1-8b"), (4096, 32768, 131072), (1, 8, 32), steps=16, warmup=3, max_batch=512,
                prefill_chunk=16384, fill_chunk_bytes=256 << 20, budget_s=460)
 SMOKE = Profile(("qwen3-tiny", "llama-tiny"), (128, 512), (1, 4), steps=4, warmup=2, max_batch=6,
                 prefill_chunk=256, fill_chunk_bytes=64 << 10, budget_s=math.inf)
@@ -220,10 +219,14 @@ def layer_devices(model: torch.nn.Module) -> list[torch.device]:
     return [next(layer.parameters()).device for layer in model.model.layers]
 
 
+def cuda_devices(model: torch.nn.Module) -> set[torch.device]:
+    return {d for d in layer_devices(model) if d.type == "cuda"}
+
+
 def memory_gib(model: torch.nn.Module, stat: Callable[[torch.device], int]) -> float | None:
     """``stat`` (bytes of a device: torch.cuda.memory_allocated, ...) summed over the model's GPUs, in GiB (None on
     the CPU)."""
-    devices = {d for d in layer_devices(model) if d.type == "cuda"}
+    devices = cuda_devices(model)
     return sum(stat(d) for d in devices) / GIB if devices else None
 
 
@@ -412,7 +415,7 @@ def measure_decode(model: torch.nn.Module, method: Method, length: int, batch: i
     clock = StepClock(device)
     compiled = model._valid_auto_compile_criteria({"past_key_values": cache}, model.generation_config)
     graphs = compiled_graphs()
-    for d in {d for d in layer_devices(model) if d.type == "cuda"}:
+    for d in cuda_devices(model):
         torch.cuda.reset_peak_memory_stats(d)
     with recorded_forward(model, compiled) as recorder:
         start = timestamp(device)

@@ -38,6 +38,10 @@ from .rotations import OscarRotations
 
 ATTN_IMPLEMENTATION = "oscar"
 HISTORY_GROWTH = 1024  # tokens; the history grows by at least this much, or by an eighth of itself
+# A growing history's capacities are multiples of this many tokens: growing then cannot change whether the per-token
+# scale/zero strides are divisible by 16, on which Triton specializes (and so recompiles) the decode kernel. (A static
+# history never grows.)
+HISTORY_ALIGN = 16
 DEQUANTIZERS = {"per-token": dequantize, "per-channel": dequantize_per_channel}  # by OscarConfig.key_quantization
 
 
@@ -140,6 +144,11 @@ def _reserve(segment: _Segment, used: int, needed: int, limit: int) -> None:
     """Grow a window segment (doubling, at most to ``limit`` tokens) so that it holds ``needed`` tokens."""
     if needed > segment.capacity:
         segment.grow(used, min(limit, max(needed, 2 * segment.capacity, 16)))
+
+
+def _aligned(tokens: int) -> int:
+    """``tokens`` rounded up to a multiple of HISTORY_ALIGN."""
+    return -(-tokens // HISTORY_ALIGN) * HISTORY_ALIGN
 
 
 def _count(index: int, doc: str) -> property:
@@ -354,7 +363,7 @@ class OscarLayer(CacheLayerMixin):
         needed = self.n_history + n
         if needed > self.history.capacity:
             capacity = max(needed, self.history.capacity + max(HISTORY_GROWTH, self.history.capacity // 8))
-            self.history.grow(self.n_history, capacity)
+            self.history.grow(self.n_history, _aligned(capacity))
         quantized = self.writer(
             rows["key"],
             rows["value"],
