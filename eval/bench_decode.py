@@ -1,6 +1,6 @@
 """Decode-attention and write-kernel benchmark of the Triton backend on one CUDA GPU.
 
-    PYTHONPATH=. python eval/bench_decode.py [--quick] [--sweep] [--out eval/results]
+    PYTHONPATH=. python eval/bench_decode.py [--quick] [--sweep] [--shapes qwen3-8b,...] [--out eval/results]
     PYTHONPATH=. python eval/bench_decode.py --smoke          # CPU, TRITON_INTERPRET=1, tiny shapes, no timings
 
 1. Checks both kernels against their torch oracles (write: bit-identical; decode: as close to an fp32 reference
@@ -40,6 +40,7 @@ def parse_args():
     p.add_argument("--quick", action="store_true", help="a handful of points (< 1 minute)")
     p.add_argument("--sweep", action="store_true", help="time every tile config at every point")
     p.add_argument("--smoke", action="store_true", help="CPU/TRITON_INTERPRET=1 run of the whole script, tiny shapes")
+    p.add_argument("--shapes", default=None, help="comma-separated subset of the grid's shapes")
     p.add_argument("--out", default="eval/results", help="folder for the CSV")
     return p.parse_args()
 
@@ -193,13 +194,13 @@ def sweep_configs(batch: int, d: int, fast_ok: bool) -> list[DecodeConfig]:
     if not ARGS.sweep:
         return [base]
     tiles = {  # (block_n, warps, stages)
-        64: [(64, 1, 3), (128, 1, 3), (64, 2, 3), (128, 2, 3), (64, 4, 3)],
-        128: [(128, 4, 3), (64, 4, 3), (128, 4, 2), (128, 4, 4), (256, 4, 2), (256, 4, 3), (128, 2, 3), (64, 1, 3),
-              (128, 8, 3)],
-        256: [(64, 4, 3), (128, 4, 3), (128, 4, 2), (64, 8, 3), (64, 2, 3), (32, 4, 3)],
+        64: [(64, 1, 3), (128, 1, 3), (128, 1, 2), (64, 1, 4), (64, 2, 3)],
+        128: [(64, 1, 3), (128, 1, 3), (32, 1, 3), (64, 1, 2), (64, 1, 4), (64, 2, 3)],
+        256: [(32, 1, 3), (16, 1, 3), (64, 1, 3), (32, 1, 2), (32, 1, 4), (32, 2, 3)],
     }[d]
-    configs = [DecodeConfig(n, w, s, base.programs_per_sm, fast_ok) for n, w, s in tiles]
-    configs += [replace(base, programs_per_sm=p) for p in (2, 8)]
+    configs = [replace(base, block_n=n, num_warps=w, num_stages=s) for n, w, s in tiles]
+    configs += [replace(base, programs_per_sm=p) for p in (8, 32)]
+    configs += [replace(base, max_registers=r) for r in (168, 128)]
     return configs + ([replace(base, fast_unpack=False)] if fast_ok else [])
 
 
@@ -256,6 +257,7 @@ def bench_decode(shape: str, batch: int, context: int, copy_gbps: float, fast_ok
         gbps = size / (kernel_ms * 1e-3) / 1e9
         rows.append({"shape": shape, "hq": hq, "hkv": heads, "d": d, "batch": batch, "T": context, "n_hist": n_hist,
                      "block_n": c.block_n, "warps": c.num_warps, "stages": c.num_stages, "pps": c.programs_per_sm,
+                     "max_registers": c.max_registers,
                      "fast_unpack": c.fast_unpack, "kernel_ms": kernel_ms, "eager_ms": eager_ms, "GBps": gbps,
                      "frac_copy_bw": gbps / copy_gbps, "sdpa_ms": sdpa_ms, "sdpa_kind": sdpa_kind,
                      "sdpa_GBps": sdpa_size / (sdpa_ms * 1e-3) / 1e9, "speedup_vs_sdpa": sdpa_ms / kernel_ms,
@@ -265,7 +267,7 @@ def bench_decode(shape: str, batch: int, context: int, copy_gbps: float, fast_ok
           f"{100 * best['frac_copy_bw']:5.1f}% copy  sdpa {sdpa_ms:8.4f} ms ({sdpa_kind}) "
           f"x{best['speedup_vs_sdpa']:5.2f}  "
           f"eager {best['eager_ms']:.4f} ms  [{best['block_n']}/{best['warps']}w/{best['stages']}s/"
-          f"pps{best['pps']}/{'ptx' if best['fast_unpack'] else 'plain'}]")
+          f"pps{best['pps']}/reg{best['max_registers']}/{'ptx' if best['fast_unpack'] else 'plain'}]")
     return rows
 
 
@@ -302,9 +304,15 @@ def main():
         SHAPES["smoke-4q1kv"] = (4, 1, 128)
         grid = [("smoke-4q1kv", 1, 400)]
     elif ARGS.quick:
-        grid = [("qwen3-8b", b, t) for b in (1, 8) for t in (32768, 131072)] + [("llama3.2-1b-d64", 8, 32768)]
+        grid = [("qwen3-8b", b, t) for b in (1, 8) for t in (32768, 131072)]
+        grid += [("qwen3-8b", 32, 32768), ("llama3.2-1b-d64", 8, 32768), ("d256-16q4kv", 8, 32768)]
     else:
         grid = [(s, b, t) for s in SHAPES for b in (1, 8, 32) for t in (4096, 16384, 32768, 131072)]
+    if ARGS.shapes:
+        unknown = set(ARGS.shapes.split(",")) - set(SHAPES)
+        if unknown:
+            sys.exit(f"unknown --shapes {sorted(unknown)}; known: {sorted(SHAPES)}")
+        grid = [point for point in grid if point[0] in ARGS.shapes.split(",")]
     rows = []
     for shape, batch, context in grid:
         rows += [{**env, **row} for row in bench_decode(shape, batch, context, copy_gbps, fast_ok)]

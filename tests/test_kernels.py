@@ -5,6 +5,7 @@ Write kernel vs ``quantizer.quantize`` (bit for bit), decode kernel vs ``naive.a
 the "triton" backend's dispatch, and ``model.generate`` with backend="triton" vs "torch".
 """
 
+import math
 import os
 import sys
 
@@ -25,7 +26,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward  # n
 
 from oscar_hf import OscarConfig, OscarLayer, OscarQuantizedCache, OscarRotations  # noqa: E402
 from oscar_hf.kernels import ATTENTION_BACKENDS, WRITE_BACKENDS, naive  # noqa: E402
-from oscar_hf.kernels.triton_decode import DecodeConfig, attend, decode  # noqa: E402
+from oscar_hf.kernels.triton_decode import DecodeConfig, _decode_stage2_kernel, attend, decode  # noqa: E402
 from oscar_hf.kernels.triton_write import kernel_supports, quantize_pack, quantize_pack_kv  # noqa: E402
 from oscar_hf.quantizer import QuantizedRows, quantize, unpack  # noqa: E402
 
@@ -188,6 +189,22 @@ def test_decode_many_splits_and_partial_tiles():
     """Small tiles and tiny splits: many history, sink and recent chunks, each ending mid-tile, merged by LSE."""
     config = DecodeConfig(block_n=32, min_split_bytes=1024)
     check_decode(2, 2, 4, 128, 301, torch.float16, config=config, sink=40, recent=70, pads=(0, 45))
+
+
+def test_decode_merge_of_many_splits():
+    """Stage 2 over more splits than one step holds (300 > 128), with empty splits and a row with no valid key."""
+    rows, splits, dim = 3, 300, 64
+    part_o = randn(rows, splits, dim, seed=3)
+    part_lse = randn(rows, splits, seed=4) * 20
+    part_lse[0, ::3] = float("-inf")  # empty splits (stage 1 writes 0 there: their weight must be 0)
+    part_o[0, ::3] = 1e4
+    part_lse[2] = float("-inf")
+    out = torch.empty(rows, dim, dtype=torch.bfloat16, device=DEVICE)
+    _decode_stage2_kernel[(rows, dim // 32)](part_o, part_lse, out, splits, D=dim, BLOCK_D=32, BLOCK_S=128)
+    weights = torch.softmax(part_lse[:2] * math.log(2), dim=-1)
+    want = torch.einsum("rs,rsd->rd", weights, part_o[:2])
+    torch.testing.assert_close(out[:2].float(), want, rtol=1e-2, atol=1e-2)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
 
 
 @pytest.mark.parametrize("group, bits", [(32, 2), (None, 4)], ids=["int2-g32", "int4"])

@@ -2,11 +2,14 @@
 
 The pure-torch twin (and oracle) is :func:`oscar_hf.kernels.naive.attend`.
 
-Stage 1 (grid ``B·H × splits``): a program serves one KV head's whole GQA group (its ``g`` query rows padded to
-``BLOCK_H >= 16`` for ``tl.dot``, so each KV tile is loaded once per group) over one chunk of the sequence, with a
-one-pass online softmax in base 2, and writes a normalised partial output and its log-sum-exp. The chunks are
-history chunks (packed codes) and sink/recent chunks (model dtype), sized to read about the same bytes each;
-their number targets ``programs_per_sm`` programs per SM. Stage 2 (grid ``B·Hq``) merges them by log-sum-exp.
+Stage 1 (grid ``B·H × splits``): a program serves one KV head's whole GQA group (so each KV tile is loaded once
+per group) over one chunk of the sequence, with a one-pass online softmax in base 2, and writes a normalised
+partial output and its log-sum-exp. History chunks put the tokens on the tensor cores' big dimensions (logits
+``[tokens, g]`` = K codes · qᵀ, output ᵀ = V codesᵀ · p, the ``g`` query heads padded to ``BLOCK_G >= 8``
+columns), so a program of one warp owns whole rows of tokens; sink/recent chunks use q as the rows (padded to
+``BLOCK_H >= 16``). History chunks (packed codes) are sized so that they number about ``programs_per_sm``
+programs per SM; sink/recent chunks (model dtype) are two tiles each and come first in the grid. Stage 2 (grid
+``B·Hq × D/32``) merges the chunks by log-sum-exp.
 
 History tiles. Byte ``j`` of a row holds channels ``j + i·W`` (``W = D·bits/8``, ``i < 8/bits``), so the codes are
 used as ``8/bits`` channel sub-tiles of width W, each the byte tile shifted by ``i·bits`` and masked: q is split the
@@ -24,9 +27,9 @@ out of the element loop (per token and group):
 Centering (the history holds ``x - μ``, ``μ`` one fp32 vector per row and KV head): history logits get
 ``q·μ_K`` (once per program), and a history split's output gets ``(Σ p)·μ_V`` when it is normalised.
 
-The attention mask ``[B, 1, 1, T]`` (True = attend) is read per key (prefetched a tile ahead with the scales and
-zeros) and applied to the logits as ``-inf``, so left padding is exact. bf16 and fp16 only: fp32 models (and the
-layouts of :func:`kernel_supports`' other cases) run ``naive.attend``.
+The attention mask ``[B, 1, 1, T]`` (True = attend) is read per key and applied to the logits as ``-inf``, so
+left padding is exact. bf16 and fp16 only: fp32 models (and the layouts of :func:`kernel_supports`' other
+cases) run ``naive.attend``.
 """
 
 from __future__ import annotations
@@ -47,23 +50,22 @@ WINDOW_BLOCK = {64: 32, 128: 32, 256: 16}  # sink/recent tile rows per head_dim 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Launch parameters of stage 1: history tile rows, warps, pipeline stages, programs per SM to aim for, and
+    """Launch parameters of stage 1: history tile tokens, warps, pipeline stages, programs per SM to aim for, and
     whether codes are unpacked by inline PTX (4 per 32-bit word; GPU only, the interpreter runs the plain path)."""
 
-    block_n: int = 128
-    num_warps: int = 4
+    block_n: int = 64
+    num_warps: int = 1
     num_stages: int = 3
-    programs_per_sm: int = 4
+    programs_per_sm: int = 16
     fast_unpack: bool = True
-    min_split_bytes: int = 32 * 1024  # a split should read at least this much, so its partial output stays cheap
+    min_split_bytes: int = 8 * 1024  # a split should read at least this much, so its partial output stays cheap
+    max_registers: int | None = None  # ptxas register cap per thread (more programs per SM, some spills)
 
 
 def default_config(batch: int, head_dim: int) -> DecodeConfig:
-    """Tile heuristic from sm90 SASS (issue slots per code element, registers, no replicated warps): D=64 needs
-    1 warp (the [16, 16] V sub-tiles replicate across more), D=128 and 256 run 4 warps."""
-    if head_dim <= 64:
-        return DecodeConfig(block_n=64, num_warps=1, num_stages=3, programs_per_sm=8)
-    return DecodeConfig(block_n=128 if head_dim == 128 else 64, num_warps=4, num_stages=3 if batch < 16 else 2)
+    """One warp per program (its reductions over tokens never leave the warp) and many programs per SM; from an
+    H100 sweep at D=128 (B=1 and 8, T=32K and 128K): 64-token tiles, 3 stages, 16 programs per SM."""
+    return DecodeConfig(block_n=64 if head_dim <= 128 else 32, num_warps=1, num_stages=3, programs_per_sm=16)
 
 
 @triton.jit
@@ -120,70 +122,85 @@ def _meta(ks, kz, vs, vz, n, live, stride_sn, NG: tl.constexpr):
 
 @triton.jit
 def _attend_codes(
-    qs, m, den, accs, lo, hi, pos0, kc, ks, kz, vc, vs, vz, stride_cn, stride_sn, mask_row, stride_mt, qk_scale, q_mu,
+    qts, lo, hi, pos0, kc, ks, kz, vc, vs, vz, stride_cn, stride_sn, mask_row, stride_mt, qk_scale, q_mu,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, DT: tl.constexpr,
     MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr, FAST_UNPACK: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
-    """History tokens ``[lo, hi)``. ``qs``/``accs``: tuples of the ``8/bits`` channel sub-tiles ``[BLOCK_H, W]``;
-    ``q_mu [BLOCK_H]``: added to every logit (``q·μ_K`` when centered, else 0).
+    """History tokens ``[lo, hi)``, tokens as the MMA rows. ``qts``: the ``8/bits`` channel sub-tiles of q,
+    transposed, ``[W, BLOCK_G]`` (query heads as columns); ``q_mu [BLOCK_G]``: added to every logit (``q·μ_K``
+    when centered, else 0). Returns m, den ``[BLOCK_G]`` and the output sub-tiles, transposed, ``[W, BLOCK_G]``.
 
-    The codes are pipelined by Triton (cp.async, ``num_stages``); scale, zero and mask bytes are too narrow for
-    that, so they are prefetched by hand one tile ahead (loop-carried registers).
+    The codes are pipelined by Triton (cp.async, ``num_stages``); scale, zero and mask bytes are prefetched by hand
+    one tile ahead (their rows end at a count read on the device, too unaligned for cp.async).
+
+    Logits are ``[BLOCK_N, BLOCK_G]`` = K codes ``[BLOCK_N, W]`` · qᵀ, the output is V codesᵀ ``[W, BLOCK_N]`` · (p·s):
+    both dots run with the tokens on the tensor cores' big dimensions, so a GQA group pads to 8 columns (not 16
+    rows), and one warp owns whole rows of tokens (its reductions over tokens stay in the warp).
     """
     NSUB: tl.constexpr = 8 // BITS
-    W: tl.constexpr = qs[0].shape[1]
+    W: tl.constexpr = qts[0].shape[0]
+    BLOCK_G: tl.constexpr = qts[0].shape[1]
     SUBS_PER_GROUP: tl.constexpr = GROUP // W
     NG: tl.constexpr = NSUB // SUBS_PER_GROUP
-    BLOCK_H: tl.constexpr = qs[0].shape[0]
     CENTER: tl.constexpr = ((1 << BITS) - 1) / 2
     byte = tl.arange(0, W)
     qsums = ()  # Σq over each group, for the zero term
-    pzs = ()  # per group: Σ p·z - M·Σ p·s, added to the group's output columns at the end
+    pzs = ()  # per group: Σ p·z - M·Σ p·s, added to the group's output rows at the end
     for g in tl.static_range(NG):
-        total = tl.zeros([BLOCK_H], tl.float32)
+        total = tl.zeros([BLOCK_G], tl.float32)
         for j in tl.static_range(SUBS_PER_GROUP):
-            total += tl.sum(qs[g * SUBS_PER_GROUP + j].to(tl.float32), axis=1)
+            total += tl.sum(qts[g * SUBS_PER_GROUP + j].to(tl.float32), axis=0)
         qsums = qsums + (total,)
-        pzs = pzs + (tl.zeros([BLOCK_H], tl.float32),)
+        pzs = pzs + (tl.zeros([BLOCK_G], tl.float32),)
+    accs = ()
+    for i in tl.static_range(NSUB):
+        accs = accs + (tl.zeros([W, BLOCK_G], tl.float32),)
+    m = tl.full([BLOCK_G], -1.0e30, tl.float32)  # finite: a fully masked tile leaves alpha = 1 and p = 0
+    den = tl.zeros([BLOCK_G], tl.float32)
     n_next = lo + tl.arange(0, BLOCK_N)
     meta_next = _meta(ks, kz, vs, vz, n_next, n_next < hi, stride_sn, NG)
     mask_next = _mask_bytes(mask_row, stride_mt, pos0 + n_next, n_next < hi, HAS_MASK)
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        live = n < hi
+        inside = n < hi
         meta = meta_next
-        live = live & (mask_next != 0)
+        live = inside & (mask_next != 0)
         n_next = n + BLOCK_N
         meta_next = _meta(ks, kz, vs, vz, n_next, n_next < hi, stride_sn, NG)
         mask_next = _mask_bytes(mask_row, stride_mt, pos0 + n_next, n_next < hi, HAS_MASK)
-        kb = tl.load(kc + n[None, :] * stride_cn + byte[:, None], mask=(n < hi)[None, :], other=0)  # [W, BLOCK_N]
-        vb = tl.load(vc + n[:, None] * stride_cn + byte[None, :], mask=(n < hi)[:, None], other=0)  # [BLOCK_N, W]
-        logits = tl.zeros([BLOCK_H, BLOCK_N], tl.float32) + q_mu[:, None]
+        kb = tl.load(kc + n[:, None] * stride_cn + byte[None, :], mask=inside[:, None], other=0)  # [BLOCK_N, W]
+        vb = tl.load(vc + n[None, :] * stride_cn + byte[:, None], mask=inside[None, :], other=0)  # [W, BLOCK_N]
+        logits = tl.zeros([BLOCK_N, BLOCK_G], tl.float32) + q_mu[None, :]
         for g in tl.static_range(NG):
-            qk = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+            qk = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
             for j in tl.static_range(SUBS_PER_GROUP):  # (an index assigned in a runtime loop stops being constexpr)
                 kq = _codes(kb, (g * SUBS_PER_GROUP + j) * BITS, BITS, DT, MAGIC_BITS, FAST_UNPACK)
-                qk = _dot(qs[g * SUBS_PER_GROUP + j], kq, qk, FP32_DOT)
+                qk = _dot(kq, qts[g * SUBS_PER_GROUP + j], qk, FP32_DOT)
             s = meta[4 * g].to(tl.float32) * qk_scale
             z = meta[4 * g + 1].to(tl.float32) * qk_scale
-            logits += qk * s[None, :] + qsums[g][:, None] * (z - MAGIC_VALUE * s)[None, :]
-        m, den, p, alpha = _online_softmax(tl.where(live[None, :], logits, float("-inf")), m, den)
+            logits += qk * s[:, None] + (z - MAGIC_VALUE * s)[:, None] * qsums[g][None, :]
+        logits = tl.where(live[:, None], logits, float("-inf"))
+        m_new = tl.maximum(m, tl.max(logits, axis=0))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(logits - m_new[None, :])
+        den = den * alpha + tl.sum(p, axis=0)
+        m = m_new
         new_accs = ()
         new_pzs = ()
         for g in tl.static_range(NG):
             s = meta[4 * g + 2].to(tl.float32)
-            mid = meta[4 * g + 3].to(tl.float32) + CENTER * s  # the rounding of p·s then weighs |code - CENTER|
-            ps = (p * s[None, :]).to(DT, fp_downcast_rounding="rtne")
-            corr = tl.sum(p * mid[None, :] - (MAGIC_VALUE + CENTER) * ps.to(tl.float32), axis=1)
+            mid = meta[4 * g + 3].to(tl.float32) + CENTER * s
+            ps = (p * s[:, None]).to(DT, fp_downcast_rounding="rtne")  # the rounding then weighs |code - CENTER|
+            corr = tl.sum(p * mid[:, None] - (MAGIC_VALUE + CENTER) * ps.to(tl.float32), axis=0)
             new_pzs = new_pzs + (pzs[g] * alpha + corr,)
             for j in tl.static_range(SUBS_PER_GROUP):
                 vq = _codes(vb, (g * SUBS_PER_GROUP + j) * BITS, BITS, DT, MAGIC_BITS, FAST_UNPACK)
-                new_accs = new_accs + (_dot(ps, vq, accs[g * SUBS_PER_GROUP + j] * alpha[:, None], FP32_DOT),)
+                new_accs = new_accs + (_dot(vq, ps, accs[g * SUBS_PER_GROUP + j] * alpha[None, :], FP32_DOT),)
         accs = new_accs
         pzs = new_pzs
     out = ()
     for i in tl.static_range(NSUB):
-        out = out + (accs[i] + pzs[i // SUBS_PER_GROUP][:, None],)
+        out = out + (accs[i] + pzs[i // SUBS_PER_GROUP][None, :],)
     return m, den, out
 
 
@@ -197,7 +214,7 @@ def _attend_dense(
     NSUB: tl.constexpr = len(qs)
     W: tl.constexpr = qs[0].shape[1]
     cols = tl.arange(0, W)
-    for start in range(lo, hi, BLOCK_N):
+    for start in tl.range(lo, hi, BLOCK_N, num_stages=1):  # a few tiles: no pipeline buffers (shared memory)
         n = start + tl.arange(0, BLOCK_N)
         live = n < hi
         row = ((ring_start + n) % ring_cap).to(tl.int64) * stride_n
@@ -229,7 +246,8 @@ def _decode_stage1_kernel(
     part_o_ptr, part_lse_ptr,
     counts_ptr, hist_splits, win_chunk, sink_splits, total_splits, rec_cap,
     H, qk_scale,
-    G_Q: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+    G_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+    GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, HAS_MASK: tl.constexpr, CENTERED: tl.constexpr, DT: tl.constexpr,
     MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr, FAST_UNPACK: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
@@ -239,34 +257,32 @@ def _decode_stage1_kernel(
     split = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
-    rows = tl.arange(0, BLOCK_H)
     cols = tl.arange(0, W)
-    keep = rows < G_Q
-    q_rows = q_ptr + b * stride_qb + (h * G_Q + rows)[:, None] * stride_qh + cols[None, :]
-    qs = ()
-    accs = ()
-    for i in tl.static_range(NSUB):
-        qs = qs + (tl.load(q_rows + i * W, mask=keep[:, None], other=0.0),)
-        accs = accs + (tl.zeros([BLOCK_H, W], tl.float32),)
+    q_head = q_ptr + b * stride_qb + h * G_Q * stride_qh
     mask_row = mask_ptr + b * stride_mb
-    m = tl.full([BLOCK_H], -1.0e30, tl.float32)  # finite: a fully masked tile leaves alpha = 1 and p = 0
-    den = tl.zeros([BLOCK_H], tl.float32)
     n_sink = tl.load(counts_ptr)
     n_hist = tl.load(counts_ptr + 1)
     n_recent = tl.load(counts_ptr + 2)
-    if split < hist_splits:
-        q_mu = tl.zeros([BLOCK_H], tl.float32)  # q·μ_K, in logit units
+    win_splits = total_splits - hist_splits
+    if split >= win_splits:  # history; query heads as columns: q and the output transposed, [W, BLOCK_G] sub-tiles
+        heads = tl.arange(0, BLOCK_G)
+        keep = heads < G_Q
+        qts = ()
+        for i in tl.static_range(NSUB):
+            qts = qts + (tl.load(q_head + heads[None, :] * stride_qh + i * W + cols[:, None], mask=keep[None, :],
+                                 other=0.0),)
+        q_mu = tl.zeros([BLOCK_G], tl.float32)  # q·μ_K, in logit units
         if CENTERED:
             mu_k = mu_k_ptr + b * stride_mu_b + h * stride_mu_h + cols
             for i in tl.static_range(NSUB):
-                q_mu += tl.sum(qs[i].to(tl.float32) * tl.load(mu_k + i * W)[None, :], axis=1)
+                q_mu += tl.sum(qts[i].to(tl.float32) * tl.load(mu_k + i * W)[:, None], axis=0)
             q_mu = q_mu * qk_scale
         hist_chunk = tl.cdiv(tl.cdiv(n_hist, hist_splits), BLOCK_N) * BLOCK_N
-        lo = split * hist_chunk
+        lo = (split - win_splits) * hist_chunk
         code_off = b * stride_cb + h * stride_ch
         meta_off = b * stride_zb + h * stride_zh
         m, den, accs = _attend_codes(
-            qs, m, den, accs, lo, tl.minimum(lo + hist_chunk, n_hist), n_sink,
+            qts, lo, tl.minimum(lo + hist_chunk, n_hist), n_sink,
             kc_ptr + code_off, ks_ptr + meta_off, kz_ptr + meta_off, vc_ptr + code_off, vs_ptr + meta_off,
             vz_ptr + meta_off, stride_cn, stride_zn, mask_row, stride_mt, qk_scale, q_mu,
             BITS, GROUP, BLOCK_N, HAS_MASK, DT, MAGIC_BITS, MAGIC_VALUE, FAST_UNPACK, FP32_DOT,
@@ -275,35 +291,69 @@ def _decode_stage1_kernel(
             mu_v = mu_v_ptr + b * stride_mu_b + h * stride_mu_h + cols
             new_accs = ()
             for i in tl.static_range(NSUB):
-                new_accs = new_accs + (accs[i] + den[:, None] * tl.load(mu_v + i * W)[None, :],)
+                new_accs = new_accs + (accs[i] + den[None, :] * tl.load(mu_v + i * W)[:, None],)
             accs = new_accs
+        safe_den = tl.where(den > 0, den, 1.0)
+        part = (bh * G_Q + heads).to(tl.int64) * total_splits + split
+        for i in tl.static_range(NSUB):
+            tl.store(part_o_ptr + part[None, :] * D + i * W + cols[:, None], accs[i] / safe_den[None, :],
+                     mask=keep[None, :])
+        tl.store(part_lse_ptr + part, tl.where(den > 0, m + tl.log2(safe_den), float("-inf")), mask=keep)
     else:  # one code path for sink and recent chunks (pointers chosen per program)
-        in_sink = split < hist_splits + sink_splits
-        lo = (split - hist_splits - tl.where(in_sink, 0, sink_splits)) * win_chunk
+        in_sink = split < sink_splits
+        lo = (split - tl.where(in_sink, 0, sink_splits)) * win_chunk
         off = tl.where(in_sink, b * stride_sink_b + h * stride_sink_h, b * stride_rec_b + h * stride_rec_h)
-        m, den, accs = _attend_dense(
-            qs, m, den, accs, lo, tl.minimum(lo + win_chunk, tl.where(in_sink, n_sink, n_recent)),
+        _window_split(
+            q_head, stride_qh, lo, tl.minimum(lo + win_chunk, tl.where(in_sink, n_sink, n_recent)),
             tl.where(in_sink, 0, n_sink + n_hist), tl.where(in_sink, sk_ptr, rk_ptr) + off,
             tl.where(in_sink, sv_ptr, rv_ptr) + off, tl.where(in_sink, stride_sink_n, stride_rec_n),
             tl.where(in_sink, 0, tl.load(counts_ptr + 3)), tl.where(in_sink, 1 << 30, rec_cap),
-            mask_row, stride_mt, qk_scale, BLOCK_W, HAS_MASK, DT, FP32_DOT,
+            mask_row, stride_mt, qk_scale, part_o_ptr, part_lse_ptr, bh * G_Q, total_splits, split,
+            G_Q, BLOCK_H, D, W, BLOCK_W, HAS_MASK, DT, FP32_DOT,
         )
-    safe_den = tl.where(den > 0, den, 1.0)
-    part = (bh * G_Q + rows).to(tl.int64) * total_splits + split
+
+
+@triton.jit
+def _window_split(
+    q_head, stride_qh, lo, hi, pos0, k, v, stride_n, ring_start, ring_cap, mask_row, stride_mt, qk_scale,
+    part_o_ptr, part_lse_ptr, row0, total_splits, split,
+    G_Q: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
+    HAS_MASK: tl.constexpr, DT: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    """A sink or recent chunk of stage 1, query heads as rows (padded to BLOCK_H): :func:`_attend_dense`, then its
+    normalised partial output and log-sum-exp."""
+    NSUB: tl.constexpr = D // W
+    rows = tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, W)
+    keep = rows < G_Q
+    qs = ()
+    accs = ()
     for i in tl.static_range(NSUB):
-        out = accs[i] / safe_den[:, None]
-        tl.store(part_o_ptr + part[:, None] * D + i * W + cols[None, :], out, mask=keep[:, None])
+        qs = qs + (tl.load(q_head + rows[:, None] * stride_qh + i * W + cols[None, :], mask=keep[:, None],
+                           other=0.0),)
+        accs = accs + (tl.zeros([BLOCK_H, W], tl.float32),)
+    m = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    den = tl.zeros([BLOCK_H], tl.float32)
+    m, den, accs = _attend_dense(qs, m, den, accs, lo, hi, pos0, k, v, stride_n, ring_start, ring_cap, mask_row,
+                                 stride_mt, qk_scale, BLOCK_W, HAS_MASK, DT, FP32_DOT)
+    safe_den = tl.where(den > 0, den, 1.0)
+    part = (row0 + rows).to(tl.int64) * total_splits + split
+    for i in tl.static_range(NSUB):
+        tl.store(part_o_ptr + part[:, None] * D + i * W + cols[None, :], accs[i] / safe_den[:, None],
+                 mask=keep[:, None])
     tl.store(part_lse_ptr + part, tl.where(den > 0, m + tl.log2(safe_den), float("-inf")), mask=keep)
 
 
 @triton.jit(do_not_specialize=["total_splits"])
-def _decode_stage2_kernel(part_o_ptr, part_lse_ptr, out_ptr, total_splits, D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Merge the splits of one (batch, query head) by log-sum-exp; rows with no valid key give 0."""
+def _decode_stage2_kernel(part_o_ptr, part_lse_ptr, out_ptr, total_splits, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_S: tl.constexpr):
+    """Merge the splits of one (batch, query head) by log-sum-exp over BLOCK_D output channels (grid
+    ``B·Hq × D/BLOCK_D``), BLOCK_S splits per step with an online max. Rows with no valid key give 0."""
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, D)
-    m = tl.full([1], -1.0e30, tl.float32)
-    den = tl.zeros([1], tl.float32)
-    acc = tl.zeros([1, D], tl.float32)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    m = -1.0e30  # finite: a step of empty splits leaves alpha = 1 and w = 0
+    den = 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
     for start in range(0, total_splits, BLOCK_S):
         s = start + tl.arange(0, BLOCK_S)
         live = s < total_splits
@@ -311,12 +361,12 @@ def _decode_stage2_kernel(part_o_ptr, part_lse_ptr, out_ptr, total_splits, D: tl
         o = tl.load(part_o_ptr + (row * total_splits + s)[:, None] * D + cols[None, :], mask=live[:, None], other=0.0)
         m_new = tl.maximum(m, tl.max(lse, axis=0))
         alpha = tl.exp2(m - m_new)
-        w = tl.exp2(lse[None, :] - m_new[:, None])  # [1, BLOCK_S]
-        den = den * alpha + tl.sum(w, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o[None, :, :], axis=1)
+        w = tl.exp2(lse - m_new)
+        den = den * alpha + tl.sum(w, axis=0)
+        acc = acc * alpha + tl.sum(w[:, None] * o, axis=0)
         m = m_new
-    out = acc / tl.where(den > 0, den, 1.0)[:, None]
-    tl.store(out_ptr + row * D + cols[None, :], out.to(out_ptr.dtype.element_ty))
+    out = acc / tl.where(den > 0, den, 1.0)
+    tl.store(out_ptr + row * D + cols, out.to(out_ptr.dtype.element_ty))
 
 
 @lru_cache(maxsize=None)
@@ -324,16 +374,12 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def plan_splits(batch_heads: int, n_hist: int, hist_bytes: int, n_window: int, window_bytes: int, window_block: int,
-                cfg: DecodeConfig, sm_count: int) -> tuple[int, int]:
-    """Tokens per history chunk and per sink/recent chunk (``*_bytes``: K + V bytes per token), so that every split
-    reads about the same bytes and the grid has about ``programs_per_sm · sm_count`` programs (fewer when a split
-    would read less than ``min_split_bytes``)."""
-    total = n_hist * hist_bytes + n_window * window_bytes
-    splits = max(1, min(triton.cdiv(cfg.programs_per_sm * sm_count, batch_heads), total // cfg.min_split_bytes))
-    per_split = triton.cdiv(total, splits)
-    hist_chunk = triton.cdiv(triton.cdiv(per_split, hist_bytes), cfg.block_n) * cfg.block_n
-    return hist_chunk, triton.cdiv(triton.cdiv(per_split, window_bytes), window_block) * window_block
+def plan_splits(batch_heads: int, n_hist: int, hist_bytes: int, cfg: DecodeConfig, sm_count: int) -> int:
+    """Tokens per history chunk (``hist_bytes``: K + V bytes per token), so that the history programs number about
+    ``programs_per_sm · sm_count`` (fewer when a chunk would read less than ``min_split_bytes``)."""
+    splits = max(1, min(triton.cdiv(cfg.programs_per_sm * sm_count, batch_heads),
+                        n_hist * hist_bytes // cfg.min_split_bytes))
+    return max(1, triton.cdiv(triton.cdiv(n_hist, splits), cfg.block_n)) * cfg.block_n
 
 
 def layer_supports(layer, dtype: torch.dtype, device: torch.device) -> bool:
@@ -365,15 +411,15 @@ def plan(layer, batch: int, lengths: tuple[int, int, int] | None = None, config:
          ) -> list[int]:
     """``[history splits, window chunk, sink splits, total splits]`` of stage 1 for an OscarLayer holding ``lengths``
     (sink, history, recent) tokens; None plans for its capacities, so that one launch serves every length (the
-    kernel sizes its history chunks from the counts it reads)."""
+    kernel sizes its history chunks from the counts it reads). Splits are ordered sink, recent, history: the
+    window chunks (two tiles each, unpipelined) start in the first wave instead of trailing the last one."""
     sink, hist, recent = layer.sink, layer.history, layer.recent
     d = sink["key"].shape[-1]
     n_sink, n_hist, n_recent = lengths or (sink.capacity, hist.capacity, recent.capacity)
     hist_bytes = 2 * (hist["key_codes"].shape[-1] + 2 * hist["key_scale"].shape[-1] * hist["key_scale"].element_size())
-    hist_chunk, win_chunk = plan_splits(
-        batch * sink["key"].shape[1], n_hist, hist_bytes, n_sink + n_recent, 2 * d * sink["key"].element_size(),
-        WINDOW_BLOCK[d], config or default_config(batch, d), _sm_count(sink["key"].device),
-    )
+    hist_chunk = plan_splits(batch * sink["key"].shape[1], n_hist, hist_bytes, config or default_config(batch, d),
+                             _sm_count(sink["key"].device))
+    win_chunk = 2 * WINDOW_BLOCK[d]
     hist_splits, sink_splits = triton.cdiv(n_hist, hist_chunk), triton.cdiv(n_sink, win_chunk)
     return [hist_splits, win_chunk, sink_splits, hist_splits + sink_splits + triton.cdiv(n_recent, win_chunk)]
 
@@ -426,13 +472,16 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, bi
             part_o, part_lse,
             counts, hist_splits, win_chunk, sink_splits, total, max(rec_k.shape[2], 1),
             heads, scaling * LOG2E,
-            G_Q=group_q, BLOCK_H=max(16, triton.next_power_of_2(group_q)), D=d, BITS=bits,
+            G_Q=group_q, BLOCK_G=max(8, triton.next_power_of_2(group_q)),
+            BLOCK_H=max(16, triton.next_power_of_2(group_q)), D=d, BITS=bits,
             GROUP=group, BLOCK_N=cfg.block_n, BLOCK_W=WINDOW_BLOCK[d], HAS_MASK=attention_mask is not None,
             CENTERED=bool(center),
             DT=dt, MAGIC_BITS=magic_bits, MAGIC_VALUE=magic_value, FAST_UNPACK=cfg.fast_unpack and not interpreting,
             FP32_DOT=dt == tl.bfloat16 and interpreting, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **({"maxnreg": cfg.max_registers} if cfg.max_registers and not interpreting else {}),
         )
-        _decode_stage2_kernel[(batch * hq,)](part_o, part_lse, out, total, D=d, BLOCK_S=16, num_warps=4)
+        _decode_stage2_kernel[(batch * hq, d // 32)](part_o, part_lse, out, total, D=d, BLOCK_D=32, BLOCK_S=128,
+                                                     num_warps=4)
     return out
 
 
