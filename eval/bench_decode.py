@@ -12,6 +12,8 @@
    and the speedup over bf16 torch SDPA decode (same context and GQA, query heads packed per KV head). The eager
    time of one call (Python launch overhead included) is reported too.
 4. Times the write kernel on a 32K-token prefill of one layer against that layer's bf16 SDPA prefill.
+5. Times a 4-token verify step (assisted decoding) over 32K and 128K tokens of one layer, the history dequantized
+   by torch or by the Triton dequantize kernel (eager, SDPA included; the CSV keeps the 128K one).
 
 Prints a table and writes eval/results/bench_decode_<gpu>.csv (--sweep: every tile config at every point).
 """
@@ -54,7 +56,7 @@ import triton  # noqa: E402
 
 from oscar_hf import OscarConfig, OscarLayer  # noqa: E402
 from oscar_hf.evaluation.environment import device_slug, environment  # noqa: E402
-from oscar_hf.kernels import naive  # noqa: E402
+from oscar_hf.kernels import naive, triton_dequant  # noqa: E402
 from oscar_hf.kernels.triton_decode import DecodeConfig, decode, default_config  # noqa: E402
 from oscar_hf.kernels.triton_write import quantize_pack_kv  # noqa: E402
 from oscar_hf.quantizer import quantize  # noqa: E402
@@ -271,6 +273,26 @@ def bench_decode(shape: str, batch: int, context: int, copy_gbps: float, fast_ok
     return rows
 
 
+def bench_verify(context: int, q_len: int = 4) -> dict:
+    """Attention of ``q_len`` query tokens (assisted decoding's verify step) over a Qwen3-8B layer holding
+    ``context`` tokens, batch 1: the history dequantized by torch (``naive.stored_then_new``) or by the Triton
+    dequantize kernel (``triton_dequant.dequantized``), then the same SDPA."""
+    hq, heads, d = SHAPES["qwen3-8b"]
+    layer = OscarLayer(OscarConfig(sink_tokens=SINK, recent_tokens=RECENT, backend="triton"), torch.eye(d),
+                       torch.eye(d))
+    k, v = (torch.randn(1, heads, context, d, device=DEVICE).to(torch.bfloat16) for _ in range(2))
+    layer.update(k[:, :, :-q_len], v[:, :, :-q_len])
+    key, value = layer.update(k[:, :, -q_len:], v[:, :, -q_len:])
+    query = torch.randn(1, hq, q_len, d, device=DEVICE).to(torch.bfloat16)
+    times = {name: eager_time(lambda g=gather: naive.attend(Attn(hq // heads), query, key, value, None, None, g))
+             for name, gather in (("torch", naive.stored_then_new), ("triton", triton_dequant.dequantized))}
+    print(f"verify step, {q_len} query tokens over {context} tokens (Qwen3-8B layer, B=1): history dequantized by "
+          f"torch {times['torch']:.3f} ms, by the Triton kernel {times['triton']:.3f} ms (SDPA included), "
+          f"x{times['torch'] / times['triton']:.2f}")
+    return {"verify_T": context, "verify_q": q_len, "verify_torch_ms": times["torch"],
+            "verify_triton_ms": times["triton"]}
+
+
 def bench_write(tokens: int) -> dict:
     hq, heads, d = SHAPES["qwen3-8b"]
     k, v = (torch.randn(1, heads, tokens, d, device=DEVICE).to(torch.bfloat16) for _ in range(2))
@@ -319,11 +341,13 @@ def main():
         if not ARGS.smoke:
             torch.cuda.empty_cache()
     write = bench_write(16 if ARGS.smoke else 32768)
+    verify = [bench_verify(t) for t in ((400,) if ARGS.smoke else (32768, 131072))]
     out = Path(ARGS.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"bench_decode_{device_slug(env)}.csv"
-    rows = [{**row, "copy_GBps": copy_gbps, **{f"write_{k}": v for k, v in write.items()}} for row in rows]
-    with open(path, "w", newline="") as f:  # the copy bandwidth and the write-kernel results repeat on every row
+    rows = [{**row, "copy_GBps": copy_gbps, **{f"write_{k}": v for k, v in write.items()}, **verify[-1]}
+            for row in rows]
+    with open(path, "w", newline="") as f:  # the copy bandwidth, write and verify results repeat on every row
         writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else [])
         writer.writeheader()
         writer.writerows(rows)

@@ -1,5 +1,6 @@
 """Attention and write (quantize) backends over the OSCAR cache, by name. "torch" is the reference (``naive.py``,
-``quantizer.py``); "triton" (``triton_decode.py``, ``triton_write.py``) is registered when triton imports."""
+``quantizer.py``); "triton" (``triton_decode.py``, ``triton_dequant.py``, ``triton_write.py``,
+``triton_append.py``) is registered when triton imports."""
 
 from __future__ import annotations
 

@@ -6,6 +6,12 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 
+def stored_then_new(layer, side: str, past: int, new: torch.Tensor) -> torch.Tensor:
+    """The first ``past`` stored tokens of ``side`` (history dequantized) followed by ``new``, ``[B, H, past + q, D]``
+    in the model dtype."""
+    return torch.cat([layer.materialize(side, past), new], dim=2)
+
+
 def attend(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -13,6 +19,7 @@ def attend(
     value,
     attention_mask: torch.Tensor | None,
     scaling: float | None,
+    gather=stored_then_new,
 ) -> torch.Tensor:
     """Attention of rotated queries over ``sink ‖ dequantized history ‖ recent``.
 
@@ -22,13 +29,13 @@ def attend(
             (the current chunk is attended unquantized, as in the OSCAR reference).
         attention_mask: bool ``[B, 1, q, ≥ T]`` (True = attend; a compileable cache's mask is longer than the
             sequence) or None (causal, aligned bottom-right).
+        gather: :func:`stored_then_new`'s signature; the Triton backend passes ``triton_dequant.dequantized``.
     Returns:
         ``[B, q, Hq, D]`` in the rotated V basis.
     """
     layer = key.layer
     past = layer.length - key.new.shape[2]
-    k = torch.cat([layer.materialize("key", past), key.new], dim=2)
-    v = torch.cat([layer.materialize("value", past), value.new], dim=2)
+    k, v = gather(layer, "key", past, key.new), gather(layer, "value", past, value.new)
     q_len, kv_len = query.shape[2], k.shape[2]
     if attention_mask is not None:
         attention_mask = attention_mask[..., :kv_len]

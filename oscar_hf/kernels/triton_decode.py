@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import naive, on_device_of
+from . import naive, on_device_of, triton_dequant
 
 LOG2E = 1.4426950408889634
 MAGIC = {torch.bfloat16: (tl.bfloat16, 0x4300, 128.0), torch.float16: (tl.float16, 0x6400, 1024.0)}
@@ -553,8 +553,11 @@ def decode_on_device(query: torch.Tensor, layer, attention_mask: torch.Tensor | 
 
 def attend(module, query, key, value, attention_mask, scaling) -> torch.Tensor:
     """``naive.attend``'s signature: one query token goes to :func:`decode`, anything else to ``naive.attend``
-    (chunked prefill and assisted decoding dequantize the history and call SDPA)."""
+    (chunked prefill and assisted decoding: the history dequantized, by ``triton_dequant`` where it serves the
+    layer, then SDPA)."""
     layer = key.layer
     if not kernel_supports(query, layer, attention_mask):
-        return naive.attend(module, query, key, value, attention_mask, scaling)
+        gather = (triton_dequant.dequantized if triton_dequant.layer_supports(layer)
+                  and not torch.compiler.is_compiling() else naive.stored_then_new)
+        return naive.attend(module, query, key, value, attention_mask, scaling, gather)
     return decode(query, layer, attention_mask, scaling)
