@@ -12,8 +12,9 @@
    and the speedup over bf16 torch SDPA decode (same context and GQA, query heads packed per KV head). The eager
    time of one call (Python launch overhead included) is reported too.
 4. Times the write kernel on a 32K-token prefill of one layer against that layer's bf16 SDPA prefill.
-5. Times a 4-token verify step (assisted decoding) over 32K and 128K tokens of one layer, the history dequantized
-   by torch or by the Triton dequantize kernel (eager, SDPA included; the CSV keeps the 128K one).
+5. Times a 4-token verify step (assisted decoding) over 32K and 128K tokens of one layer: the decode kernel with
+   several query tokens, against dequantizing the history (torch, or the Triton kernel) then SDPA; eager (the
+   CSV keeps the 128K one).
 
 Prints a table and writes eval/results/bench_decode_<gpu>.csv (--sweep: every tile config at every point).
 """
@@ -275,8 +276,9 @@ def bench_decode(shape: str, batch: int, context: int, copy_gbps: float, fast_ok
 
 def bench_verify(context: int, q_len: int = 4) -> dict:
     """Attention of ``q_len`` query tokens (assisted decoding's verify step) over a Qwen3-8B layer holding
-    ``context`` tokens, batch 1: the history dequantized by torch (``naive.stored_then_new``) or by the Triton
-    dequantize kernel (``triton_dequant.dequantized``), then the same SDPA."""
+    ``context`` tokens, batch 1, eager: the decode kernel reading the packed history (``decode``, several query
+    tokens), against the history dequantized by torch (``naive.stored_then_new``) or by the Triton dequantize
+    kernel (``triton_dequant.dequantized``), each followed by SDPA. Aborts if the kernel disagrees with naive."""
     hq, heads, d = SHAPES["qwen3-8b"]
     layer = OscarLayer(OscarConfig(sink_tokens=SINK, recent_tokens=RECENT, backend="triton"), torch.eye(d),
                        torch.eye(d))
@@ -284,13 +286,20 @@ def bench_verify(context: int, q_len: int = 4) -> dict:
     layer.update(k[:, :, :-q_len], v[:, :, :-q_len])
     key, value = layer.update(k[:, :, -q_len:], v[:, :, -q_len:])
     query = torch.randn(1, hq, q_len, d, device=DEVICE).to(torch.bfloat16)
-    times = {name: eager_time(lambda g=gather: naive.attend(Attn(hq // heads), query, key, value, None, None, g))
-             for name, gather in (("torch", naive.stored_then_new), ("triton", triton_dequant.dequantized))}
-    print(f"verify step, {q_len} query tokens over {context} tokens (Qwen3-8B layer, B=1): history dequantized by "
-          f"torch {times['torch']:.3f} ms, by the Triton kernel {times['triton']:.3f} ms (SDPA included), "
-          f"x{times['torch'] / times['triton']:.2f}")
-    return {"verify_T": context, "verify_q": q_len, "verify_torch_ms": times["torch"],
-            "verify_triton_ms": times["triton"]}
+    module = Attn(hq // heads)
+    fused = decode(query, layer, None, None)
+    want = naive.attend(module, query, key, value, None, None)
+    err = (fused.float() - want.float()).abs().max().item()
+    if not err <= 1.6e-2 * (1 + want.float().abs().max().item()):
+        sys.exit(f"ABORT: the {q_len}-token decode differs from naive.attend by {err:.3g} at T={context}")
+    times = {"fused": eager_time(lambda: decode(query, layer, None, None))}
+    for name, gather in (("torch", naive.stored_then_new), ("triton", triton_dequant.dequantized)):
+        times[name] = eager_time(lambda g=gather: naive.attend(module, query, key, value, None, None, g))
+    print(f"verify step, {q_len} query tokens over {context} tokens (Qwen3-8B layer, B=1, max error vs naive "
+          f"{err:.2g}): decode kernel {times['fused']:.3f} ms; history dequantized by torch {times['torch']:.3f} ms, "
+          f"by the Triton kernel {times['triton']:.3f} ms (+ SDPA)")
+    return {"verify_T": context, "verify_q": q_len, "verify_kernel_ms": times["fused"],
+            "verify_torch_ms": times["torch"], "verify_dequant_ms": times["triton"]}
 
 
 def bench_write(tokens: int) -> dict:

@@ -25,7 +25,7 @@ from conftest import make_model  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
 from oscar_hf import OscarConfig, OscarLayer, OscarQuantizedCache, OscarRotations  # noqa: E402
-from oscar_hf.kernels import ATTENTION_BACKENDS, WRITE_BACKENDS, naive, triton_dequant  # noqa: E402
+from oscar_hf.kernels import ATTENTION_BACKENDS, WRITE_BACKENDS, naive, triton_decode, triton_dequant  # noqa: E402
 from oscar_hf.kernels.triton_decode import DecodeConfig, _decode_stage2_kernel, attend, decode  # noqa: E402
 from oscar_hf.kernels.triton_write import kernel_supports, quantize_pack, quantize_pack_kv  # noqa: E402
 from oscar_hf.quantizer import QuantizedRows, quantize, unpack  # noqa: E402
@@ -191,6 +191,42 @@ def test_decode_many_splits_and_partial_tiles():
     check_decode(2, 2, 4, 128, 301, torch.float16, config=config, sink=40, recent=70, pads=(0, 45))
 
 
+@pytest.mark.parametrize("q_len, groups, dim, dtype, masked", [
+    (2, 4, 128, torch.bfloat16, False), (4, 4, 64, torch.float16, True), (7, 2, 128, torch.float16, True),
+    (3, 8, 256, torch.bfloat16, True),
+], ids=lambda v: DTYPE_IDS.get(v, str(v)))
+def test_decode_several_query_tokens(q_len, groups, dim, dtype, masked):
+    """A verify step: the q newest tokens (in the recent window) against sink, history and recent, causal among
+    themselves; a left-padded row; equal to naive.attend over the same handles."""
+    batch, heads, total = 2, 2, 260
+    cfg = OscarConfig(sink_tokens=4, recent_tokens=8, flush_tokens=1, backend="torch")
+    layer = OscarLayer(cfg, torch.eye(dim), torch.eye(dim))
+    kv = randn(2, batch, heads, total, dim, seed=21)
+    if masked:
+        kv[:, 1, :, :13] = 30.0  # padding of row 1: huge K/V, a leak would show
+    key, value = kv.to(dtype).unbind(0)
+    layer.update(key[:, :, :-q_len], value[:, :, :-q_len])
+    handles = layer.update(key[:, :, -q_len:], value[:, :, -q_len:])
+    mask = None
+    if masked:
+        mask = torch.ones(batch, 1, q_len, total, dtype=torch.bool, device=DEVICE).tril(total - q_len)
+        mask[1, ..., :13] = False
+    query = randn(batch, heads * groups, q_len, dim, seed=22).to(dtype)
+    assert triton_decode.kernel_supports(query, layer, mask)
+    got = decode(query, layer, mask, None)
+    want = naive.attend(Attn(groups), query, *handles, mask, None)
+    assert got.shape == want.shape == (batch, q_len, heads * groups, dim)
+    torch.testing.assert_close(got.float(), want.float(), rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    # causal among the query tokens: changing the newest token's K and V changes the last output only
+    layer._unroll_recent()
+    for side in ("key", "value"):
+        layer.recent[side][:, :, layer.n_recent - 1] += 3.0
+    changed = decode(query, layer, mask, None)
+    assert torch.equal(changed[:, :-1], got[:, :-1]) and not torch.equal(changed[:, -1], got[:, -1])
+    too_many = query.new_zeros(batch, heads * groups, 9, dim)
+    assert not triton_decode.kernel_supports(too_many, layer, None)  # more than the recent window
+
+
 def test_decode_merge_of_many_splits():
     """Stage 2 over more splits than one step holds (300 > 128), with empty splits and a row with no valid key."""
     rows, splits, dim = 3, 300, 64
@@ -213,14 +249,14 @@ def test_decode_groups_and_int4(group, bits):
 
 
 def test_attend_dispatches_everything_else_to_naive():
-    """q_len > 1 (chunked prefill: naive.attend over the dequantize kernel's buffer), fp32 models and a newest token
-    already quantized (recent_tokens=0) run naive."""
-    cases = [dict(q_len=3), dict(dtype=torch.float32), dict(recent=0)]
+    """More query tokens than the recent window holds (a prefill chunk: naive.attend over the dequantize kernel's
+    buffer), fp32 models and a newest token already quantized (recent_tokens=0) run naive."""
+    cases = [dict(q_len=10), dict(dtype=torch.float32), dict(recent=0)]
     for case in cases:
         dtype = case.get("dtype", torch.bfloat16)
         cfg = OscarConfig(sink_tokens=4, recent_tokens=case.get("recent", 8), flush_tokens=1, backend="torch")
         layer = OscarLayer(cfg, torch.eye(64), torch.eye(64))
-        kv = randn(2, 1, 2, 30, 64, seed=8).to(dtype)
+        kv = randn(2, 1, 2, 40, 64, seed=8).to(dtype)
         layer.update(kv[0, :, :, :27], kv[1, :, :, :27])
         q_len = case.get("q_len", 1)
         key, value = layer.update(kv[0, :, :, 27 : 27 + q_len], kv[1, :, :, 27 : 27 + q_len])

@@ -46,6 +46,7 @@ from . import naive, on_device_of, triton_dequant
 LOG2E = 1.4426950408889634
 MAGIC = {torch.bfloat16: (tl.bfloat16, 0x4300, 128.0), torch.float16: (tl.float16, 0x6400, 1024.0)}
 WINDOW_BLOCK = {64: 32, 128: 32, 256: 16}  # sink/recent tile rows per head_dim (keeps shared memory < 40 KiB)
+MAX_QUERY_ROWS = 32  # query heads x query tokens per program of a several-token call (accumulator registers)
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,17 @@ def _mask_bytes(mask_row, stride_mt, pos, live, HAS_MASK: tl.constexpr):
 
 
 @triton.jit
+def _mask_tile(mask_row, stride_mq, stride_mt, pos, live, query, HAS_MASK: tl.constexpr, Q_LEN: tl.constexpr):
+    """The mask bytes of key positions ``pos [n]`` for query tokens ``query [c]``, ``[n, c]`` (``[n, 1]``, one
+    mask row, when Q_LEN is 1)."""
+    if Q_LEN > 1 and HAS_MASK:
+        tile = tl.load(mask_row + query[None, :] * stride_mq + pos[:, None] * stride_mt, mask=live[:, None], other=0)
+    else:
+        tile = _mask_bytes(mask_row, stride_mt, pos, live, HAS_MASK)[:, None]
+    return tile
+
+
+@triton.jit
 def _meta(ks, kz, vs, vz, n, live, stride_sn, NG: tl.constexpr):
     """Raw (scale dtype) K scale, K zero, V scale, V zero of tokens ``n``, per group: a tuple of 4·NG vectors."""
     out = ()
@@ -122,13 +134,15 @@ def _meta(ks, kz, vs, vz, n, live, stride_sn, NG: tl.constexpr):
 
 @triton.jit
 def _attend_codes(
-    qts, lo, hi, pos0, kc, ks, kz, vc, vs, vz, stride_cn, stride_sn, mask_row, stride_mt, qk_scale, q_mu,
-    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, DT: tl.constexpr,
-    MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr, FAST_UNPACK: tl.constexpr, FP32_DOT: tl.constexpr,
+    qts, lo, hi, pos0, kc, ks, kz, vc, vs, vz, stride_cn, stride_sn, mask_row, stride_mq, stride_mt, qk_scale, q_mu,
+    query, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
+    Q_LEN: tl.constexpr, DT: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr,
+    FAST_UNPACK: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
     """History tokens ``[lo, hi)``, tokens as the MMA rows. ``qts``: the ``8/bits`` channel sub-tiles of q,
-    transposed, ``[W, BLOCK_G]`` (query heads as columns); ``q_mu [BLOCK_G]``: added to every logit (``q·μ_K``
-    when centered, else 0). Returns m, den ``[BLOCK_G]`` and the output sub-tiles, transposed, ``[W, BLOCK_G]``.
+    transposed, ``[W, BLOCK_G]`` (query rows as columns); ``q_mu [BLOCK_G]``: added to every logit (``q·μ_K``
+    when centered, else 0); ``query [BLOCK_G]``: each column's query token, for the mask. Returns m, den
+    ``[BLOCK_G]`` and the output sub-tiles, transposed, ``[W, BLOCK_G]``.
 
     The codes are pipelined by Triton (cp.async, ``num_stages``); scale, zero and mask bytes are prefetched by hand
     one tile ahead (their rows end at a count read on the device, too unaligned for cp.async).
@@ -159,15 +173,15 @@ def _attend_codes(
     den = tl.zeros([BLOCK_G], tl.float32)
     n_next = lo + tl.arange(0, BLOCK_N)
     meta_next = _meta(ks, kz, vs, vz, n_next, n_next < hi, stride_sn, NG)
-    mask_next = _mask_bytes(mask_row, stride_mt, pos0 + n_next, n_next < hi, HAS_MASK)
+    mask_next = _mask_tile(mask_row, stride_mq, stride_mt, pos0 + n_next, n_next < hi, query, HAS_MASK, Q_LEN)
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         inside = n < hi
         meta = meta_next
-        live = inside & (mask_next != 0)
+        live = inside[:, None] & (mask_next != 0)  # [BLOCK_N, 1 or BLOCK_G]
         n_next = n + BLOCK_N
         meta_next = _meta(ks, kz, vs, vz, n_next, n_next < hi, stride_sn, NG)
-        mask_next = _mask_bytes(mask_row, stride_mt, pos0 + n_next, n_next < hi, HAS_MASK)
+        mask_next = _mask_tile(mask_row, stride_mq, stride_mt, pos0 + n_next, n_next < hi, query, HAS_MASK, Q_LEN)
         kb = tl.load(kc + n[:, None] * stride_cn + byte[None, :], mask=inside[:, None], other=0)  # [BLOCK_N, W]
         vb = tl.load(vc + n[None, :] * stride_cn + byte[:, None], mask=inside[None, :], other=0)  # [W, BLOCK_N]
         logits = tl.zeros([BLOCK_N, BLOCK_G], tl.float32) + q_mu[None, :]
@@ -179,7 +193,7 @@ def _attend_codes(
             s = meta[4 * g].to(tl.float32) * qk_scale
             z = meta[4 * g + 1].to(tl.float32) * qk_scale
             logits += qk * s[:, None] + (z - MAGIC_VALUE * s)[:, None] * qsums[g][None, :]
-        logits = tl.where(live[:, None], logits, float("-inf"))
+        logits = tl.where(live, logits, float("-inf"))
         m_new = tl.maximum(m, tl.max(logits, axis=0))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(logits - m_new[None, :])
@@ -206,11 +220,13 @@ def _attend_codes(
 
 @triton.jit
 def _attend_dense(
-    qs, m, den, accs, lo, hi, pos0, k, v, stride_n, ring_start, ring_cap, mask_row, stride_mt, qk_scale,
-    BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, DT: tl.constexpr, FP32_DOT: tl.constexpr,
+    qs, m, den, accs, lo, hi, pos0, k, v, stride_n, ring_start, ring_cap, mask_row, stride_mq, stride_mt, qk_scale,
+    query, last, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, Q_LEN: tl.constexpr, DT: tl.constexpr,
+    FP32_DOT: tl.constexpr,
 ):
     """Sink or recent tokens ``[lo, hi)`` in the model dtype, by the same channel sub-tiles; token ``n`` is stored
-    in row ``(ring_start + n) % ring_cap`` (the recent window is a ring buffer)."""
+    in row ``(ring_start + n) % ring_cap`` (the recent window is a ring buffer). ``query [rows]``: each row's query
+    token ``t``, which sees key positions up to ``last + t`` (causal among the new tokens)."""
     NSUB: tl.constexpr = len(qs)
     W: tl.constexpr = qs[0].shape[1]
     cols = tl.arange(0, W)
@@ -222,8 +238,11 @@ def _attend_dense(
         for i in tl.static_range(NSUB):
             kt = tl.load(k + row[:, None] + i * W + cols[None, :], mask=live[:, None], other=0.0)
             logits = _dot(qs[i], tl.trans(kt), logits, FP32_DOT)
-        live = live & (_mask_bytes(mask_row, stride_mt, pos0 + n, live, HAS_MASK) != 0)
-        m, den, p, alpha = _online_softmax(tl.where(live[None, :], logits * qk_scale, float("-inf")), m, den)
+        allowed = tl.trans(live[:, None] & (_mask_tile(mask_row, stride_mq, stride_mt, pos0 + n, live, query,
+                                                       HAS_MASK, Q_LEN) != 0))  # [rows or 1, BLOCK_N]
+        if Q_LEN > 1:
+            allowed = allowed & ((pos0 + n)[None, :] <= (last + query)[:, None])
+        m, den, p, alpha = _online_softmax(tl.where(allowed, logits * qk_scale, float("-inf")), m, den)
         p = p.to(DT, fp_downcast_rounding="rtne")
         new_accs = ()
         for i in tl.static_range(NSUB):
@@ -236,21 +255,24 @@ def _attend_dense(
 # Sequence-dependent ints are not specialized (on == 1 / divisibility by 16): each new combination would compile.
 @triton.jit(do_not_specialize=["stride_mb", "hist_splits", "win_chunk", "sink_splits", "total_splits", "rec_cap"])
 def _decode_stage1_kernel(
-    q_ptr, stride_qb, stride_qh,
+    q_ptr, stride_qb, stride_qh, stride_qt,
     sk_ptr, sv_ptr, stride_sink_b, stride_sink_h, stride_sink_n,
     rk_ptr, rv_ptr, stride_rec_b, stride_rec_h, stride_rec_n,
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
     stride_cb, stride_ch, stride_cn, stride_zb, stride_zh, stride_zn,
     mu_k_ptr, mu_v_ptr, stride_mu_b, stride_mu_h,
-    mask_ptr, stride_mb, stride_mt,
+    mask_ptr, stride_mb, stride_mq, stride_mt,
     part_o_ptr, part_lse_ptr,
     counts_ptr, hist_splits, win_chunk, sink_splits, total_splits, rec_cap,
     H, qk_scale,
     G_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
     GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, HAS_MASK: tl.constexpr, CENTERED: tl.constexpr, DT: tl.constexpr,
-    MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr, FAST_UNPACK: tl.constexpr, FP32_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, HAS_MASK: tl.constexpr, Q_LEN: tl.constexpr,
+    CENTERED: tl.constexpr, DT: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr,
+    FAST_UNPACK: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
+    """Query row ``c = r·Q_LEN + t`` of a program is query head ``h·G_Q + r`` at query token ``t``; its partial
+    output and lse go to row ``(b·Hq + h·G_Q + r)·Q_LEN + t``."""
     NSUB: tl.constexpr = 8 // BITS
     W: tl.constexpr = D // NSUB
     bh = tl.program_id(0)
@@ -264,13 +286,13 @@ def _decode_stage1_kernel(
     n_hist = tl.load(counts_ptr + 1)
     n_recent = tl.load(counts_ptr + 2)
     win_splits = total_splits - hist_splits
-    if split >= win_splits:  # history; query heads as columns: q and the output transposed, [W, BLOCK_G] sub-tiles
+    if split >= win_splits:  # history; query rows as columns: q and the output transposed, [W, BLOCK_G] sub-tiles
         heads = tl.arange(0, BLOCK_G)
-        keep = heads < G_Q
+        keep = heads < G_Q * Q_LEN
+        q_cols = q_head + (heads // Q_LEN) * stride_qh + (heads % Q_LEN) * stride_qt
         qts = ()
         for i in tl.static_range(NSUB):
-            qts = qts + (tl.load(q_head + heads[None, :] * stride_qh + i * W + cols[:, None], mask=keep[None, :],
-                                 other=0.0),)
+            qts = qts + (tl.load(q_cols[None, :] + i * W + cols[:, None], mask=keep[None, :], other=0.0),)
         q_mu = tl.zeros([BLOCK_G], tl.float32)  # q·μ_K, in logit units
         if CENTERED:
             mu_k = mu_k_ptr + b * stride_mu_b + h * stride_mu_h + cols
@@ -284,8 +306,8 @@ def _decode_stage1_kernel(
         m, den, accs = _attend_codes(
             qts, lo, tl.minimum(lo + hist_chunk, n_hist), n_sink,
             kc_ptr + code_off, ks_ptr + meta_off, kz_ptr + meta_off, vc_ptr + code_off, vs_ptr + meta_off,
-            vz_ptr + meta_off, stride_cn, stride_zn, mask_row, stride_mt, qk_scale, q_mu,
-            BITS, GROUP, BLOCK_N, HAS_MASK, DT, MAGIC_BITS, MAGIC_VALUE, FAST_UNPACK, FP32_DOT,
+            vz_ptr + meta_off, stride_cn, stride_zn, mask_row, stride_mq, stride_mt, qk_scale, q_mu, heads % Q_LEN,
+            BITS, GROUP, BLOCK_N, HAS_MASK, Q_LEN, DT, MAGIC_BITS, MAGIC_VALUE, FAST_UNPACK, FP32_DOT,
         )
         if CENTERED:  # Σ p·μ_V, μ_V split into the output's channel sub-tiles
             mu_v = mu_v_ptr + b * stride_mu_b + h * stride_mu_h + cols
@@ -294,7 +316,7 @@ def _decode_stage1_kernel(
                 new_accs = new_accs + (accs[i] + den[None, :] * tl.load(mu_v + i * W)[:, None],)
             accs = new_accs
         safe_den = tl.where(den > 0, den, 1.0)
-        part = (bh * G_Q + heads).to(tl.int64) * total_splits + split
+        part = (bh * G_Q * Q_LEN + heads).to(tl.int64) * total_splits + split
         for i in tl.static_range(NSUB):
             tl.store(part_o_ptr + part[None, :] * D + i * W + cols[:, None], accs[i] / safe_den[None, :],
                      mask=keep[None, :])
@@ -304,38 +326,39 @@ def _decode_stage1_kernel(
         lo = (split - tl.where(in_sink, 0, sink_splits)) * win_chunk
         off = tl.where(in_sink, b * stride_sink_b + h * stride_sink_h, b * stride_rec_b + h * stride_rec_h)
         _window_split(
-            q_head, stride_qh, lo, tl.minimum(lo + win_chunk, tl.where(in_sink, n_sink, n_recent)),
+            q_head, stride_qh, stride_qt, lo, tl.minimum(lo + win_chunk, tl.where(in_sink, n_sink, n_recent)),
             tl.where(in_sink, 0, n_sink + n_hist), tl.where(in_sink, sk_ptr, rk_ptr) + off,
             tl.where(in_sink, sv_ptr, rv_ptr) + off, tl.where(in_sink, stride_sink_n, stride_rec_n),
             tl.where(in_sink, 0, tl.load(counts_ptr + 3)), tl.where(in_sink, 1 << 30, rec_cap),
-            mask_row, stride_mt, qk_scale, part_o_ptr, part_lse_ptr, bh * G_Q, total_splits, split,
-            G_Q, BLOCK_H, D, W, BLOCK_W, HAS_MASK, DT, FP32_DOT,
+            mask_row, stride_mq, stride_mt, qk_scale, n_sink + n_hist + n_recent - Q_LEN, part_o_ptr, part_lse_ptr,
+            bh * G_Q * Q_LEN, total_splits, split, G_Q, BLOCK_H, D, W, BLOCK_W, HAS_MASK, Q_LEN, DT, FP32_DOT,
         )
 
 
 @triton.jit
 def _window_split(
-    q_head, stride_qh, lo, hi, pos0, k, v, stride_n, ring_start, ring_cap, mask_row, stride_mt, qk_scale,
-    part_o_ptr, part_lse_ptr, row0, total_splits, split,
+    q_head, stride_qh, stride_qt, lo, hi, pos0, k, v, stride_n, ring_start, ring_cap, mask_row, stride_mq, stride_mt,
+    qk_scale, last, part_o_ptr, part_lse_ptr, row0, total_splits, split,
     G_Q: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
-    HAS_MASK: tl.constexpr, DT: tl.constexpr, FP32_DOT: tl.constexpr,
+    HAS_MASK: tl.constexpr, Q_LEN: tl.constexpr, DT: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
-    """A sink or recent chunk of stage 1, query heads as rows (padded to BLOCK_H): :func:`_attend_dense`, then its
-    normalised partial output and log-sum-exp."""
+    """A sink or recent chunk of stage 1, query rows as rows (padded to BLOCK_H): :func:`_attend_dense`, then its
+    normalised partial output and log-sum-exp. ``last``: the position of the last key before the query tokens."""
     NSUB: tl.constexpr = D // W
     rows = tl.arange(0, BLOCK_H)
     cols = tl.arange(0, W)
-    keep = rows < G_Q
+    keep = rows < G_Q * Q_LEN
+    q_rows = q_head + (rows // Q_LEN) * stride_qh + (rows % Q_LEN) * stride_qt
     qs = ()
     accs = ()
     for i in tl.static_range(NSUB):
-        qs = qs + (tl.load(q_head + rows[:, None] * stride_qh + i * W + cols[None, :], mask=keep[:, None],
-                           other=0.0),)
+        qs = qs + (tl.load(q_rows[:, None] + i * W + cols[None, :], mask=keep[:, None], other=0.0),)
         accs = accs + (tl.zeros([BLOCK_H, W], tl.float32),)
     m = tl.full([BLOCK_H], -1.0e30, tl.float32)
     den = tl.zeros([BLOCK_H], tl.float32)
     m, den, accs = _attend_dense(qs, m, den, accs, lo, hi, pos0, k, v, stride_n, ring_start, ring_cap, mask_row,
-                                 stride_mt, qk_scale, BLOCK_W, HAS_MASK, DT, FP32_DOT)
+                                 stride_mq, stride_mt, qk_scale, rows % Q_LEN, last, BLOCK_W, HAS_MASK, Q_LEN, DT,
+                                 FP32_DOT)
     safe_den = tl.where(den > 0, den, 1.0)
     part = (row0 + rows).to(tl.int64) * total_splits + split
     for i in tl.static_range(NSUB):
@@ -398,11 +421,15 @@ def layer_supports(layer, dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def kernel_supports(query: torch.Tensor, layer, attention_mask: torch.Tensor | None) -> bool:
-    """Whether :func:`decode` handles this call (else naive.attend runs)."""
+    """Whether :func:`decode` handles this call (else naive.attend runs): one query token, or up to
+    ``MAX_QUERY_ROWS / g`` tokens that are all still in the recent window."""
+    q_len = query.shape[2]
+    group_q = query.shape[1] // layer.sink["key"].shape[1]
     return (
-        query.shape[2] == 1
+        (q_len == 1 or (q_len <= layer.config.recent_tokens and q_len * group_q <= MAX_QUERY_ROWS))
         and layer_supports(layer, query.dtype, query.device)
         and (attention_mask is None or (attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1
+                                        and attention_mask.shape[2] in (1, q_len)
                                         and attention_mask.shape[-1] >= (layer.max_cache_len or layer.length)))
     )
 
@@ -441,29 +468,30 @@ def _storage(t: torch.Tensor) -> torch.Tensor:
 def _launch(query, windows, history, center, attention_mask, counts, scaling, bits, group, splits, config=None):
     """Both stages over the tensors of :func:`layer_tensors`, the counts int32 ``[4]`` (sink, history, recent, ring
     start of the recent window) and the ``splits`` of :func:`plan`; see :func:`decode`."""
-    batch, hq, _, d = query.shape
+    batch, hq, q_len, d = query.shape
     sink_k, sink_v, rec_k, rec_v = windows
     heads = sink_k.shape[1]
     group_q = hq // heads
+    rows = group_q * q_len  # query rows per program
     cfg = config or default_config(batch, d)
     dt, magic_bits, magic_value = MAGIC[query.dtype]
     query = query if query.stride(-1) == 1 else query.contiguous()
     hist_splits, win_chunk, sink_splits, total = splits
     if attention_mask is None:
-        mask, mask_strides = query.new_zeros(1, dtype=torch.uint8), (0, 0)
+        mask, mask_strides = query.new_zeros(1, dtype=torch.uint8), (0, 0, 0)
     else:
-        mask = attention_mask[:, 0, -1, :].expand(batch, -1).view(torch.uint8)
+        mask = attention_mask[:, 0, -q_len:, :].expand(batch, q_len, -1).view(torch.uint8)
         mask_strides = mask.stride()
-    part_o = torch.empty(batch * hq, total, d, dtype=torch.float32, device=query.device)
-    part_lse = torch.empty(batch * hq, total, dtype=torch.float32, device=query.device)
-    out = torch.empty(batch, 1, hq, d, dtype=query.dtype, device=query.device)
+    part_o = torch.empty(batch * hq * q_len, total, d, dtype=torch.float32, device=query.device)
+    part_lse = torch.empty(batch * hq * q_len, total, dtype=torch.float32, device=query.device)
+    out = torch.empty(batch, hq, q_len, d, dtype=query.dtype, device=query.device)
     scaling = d**-0.5 if scaling is None else scaling
     interpreting = triton.knobs.runtime.interpret
     hist_strides = history[0].stride()[:3] + history[1].stride()[:3]
     mu = (*center, *center[0].stride()[:2]) if center else (mask, mask, 0, 0)
     with on_device_of(query):
         _decode_stage1_kernel[(batch * heads, total)](
-            query, query.stride(0), query.stride(1),
+            query, *query.stride()[:3],
             _storage(sink_k), _storage(sink_v), *sink_k.stride()[:3],
             _storage(rec_k), _storage(rec_v), *rec_k.stride()[:3],
             *[_storage(t) for t in history], *hist_strides,
@@ -472,17 +500,17 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, bi
             part_o, part_lse,
             counts, hist_splits, win_chunk, sink_splits, total, max(rec_k.shape[2], 1),
             heads, scaling * LOG2E,
-            G_Q=group_q, BLOCK_G=max(8, triton.next_power_of_2(group_q)),
-            BLOCK_H=max(16, triton.next_power_of_2(group_q)), D=d, BITS=bits,
+            G_Q=group_q, BLOCK_G=max(8, triton.next_power_of_2(rows)),
+            BLOCK_H=max(16, triton.next_power_of_2(rows)), D=d, BITS=bits,
             GROUP=group, BLOCK_N=cfg.block_n, BLOCK_W=WINDOW_BLOCK[d], HAS_MASK=attention_mask is not None,
-            CENTERED=bool(center),
+            Q_LEN=q_len, CENTERED=bool(center),
             DT=dt, MAGIC_BITS=magic_bits, MAGIC_VALUE=magic_value, FAST_UNPACK=cfg.fast_unpack and not interpreting,
             FP32_DOT=dt == tl.bfloat16 and interpreting, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **({"maxnreg": cfg.max_registers} if cfg.max_registers and not interpreting else {}),
         )
-        _decode_stage2_kernel[(batch * hq, d // 32)](part_o, part_lse, out, total, D=d, BLOCK_D=32, BLOCK_S=128,
+        _decode_stage2_kernel[(batch * hq * q_len, d // 32)](part_o, part_lse, out, total, D=d, BLOCK_D=32, BLOCK_S=128,
                                                      num_warps=4)
-    return out
+    return out.transpose(1, 2)
 
 
 def decode(
@@ -492,21 +520,22 @@ def decode(
     scaling: float | None,
     config: DecodeConfig | None = None,
 ) -> torch.Tensor:
-    """Attention of one rotated query token over an OscarLayer's ``sink ‖ history ‖ recent``.
+    """Attention of rotated query tokens over an OscarLayer's ``sink ‖ history ‖ recent``: one (a decode step) or
+    the ``q`` newest tokens (a verify step of assisted decoding, a small prefill chunk), causal among them.
 
     Args:
-        query: rotated queries ``[B, Hq, 1, D]``, bf16 or fp16; ``Hq = g·H`` (query head ``h·g + r`` reads
-            KV head ``h``); D in 64, 128, 256.
+        query: rotated queries ``[B, Hq, q, D]``, bf16 or fp16; ``Hq = g·H`` (query head ``h·g + r`` reads
+            KV head ``h``); D in 64, 128, 256; the q tokens are the layer's newest, still in its recent window.
         layer: an OscarLayer (uses ``sink``, ``history``, ``recent``, ``center``, ``counts``, ``config.bits``,
             ``group_size``); its windows are ``[B, H, cap, D]`` in the query dtype (the recent one a ring buffer
             from ``counts[3]``), codes uint8 ``[B, H, cap, D·bits/8]``, scale and zero ``[B, H, cap, D/group]``.
             A static layer's counts live on the device and are read by the kernel: no host synchronisation.
-        attention_mask: bool ``[B or 1, 1, 1, ≥ T]`` (True = attend; key ``t`` at column ``t``), ``T = layer.length``,
-            or None.
+        attention_mask: bool ``[B or 1, 1, 1 or q, ≥ T]`` (True = attend; key ``t`` at column ``t``; rows for the
+            q tokens), ``T = layer.length``, or None.
         scaling: logit scale (None: ``D**-0.5``).
         config: launch parameters (None: :func:`default_config`).
     Returns:
-        ``[B, 1, Hq, D]`` in the query dtype, in the rotated V basis.
+        ``[B, q, Hq, D]`` in the query dtype, in the rotated V basis.
     """
     if layer.counts_on_device:
         counts, splits = layer.counts, plan(layer, query.shape[0], config=config)
@@ -552,9 +581,9 @@ def decode_on_device(query: torch.Tensor, layer, attention_mask: torch.Tensor | 
 
 
 def attend(module, query, key, value, attention_mask, scaling) -> torch.Tensor:
-    """``naive.attend``'s signature: one query token goes to :func:`decode`, anything else to ``naive.attend``
-    (chunked prefill and assisted decoding: the history dequantized, by ``triton_dequant`` where it serves the
-    layer, then SDPA)."""
+    """``naive.attend``'s signature: what :func:`kernel_supports` (one query token, or a few newest ones: assisted
+    decoding's verify step) goes to :func:`decode`, anything else (a prefill chunk) to ``naive.attend``, the history
+    dequantized by ``triton_dequant`` where it serves the layer."""
     layer = key.layer
     if not kernel_supports(query, layer, attention_mask):
         gather = (triton_dequant.dequantized if triton_dequant.layer_supports(layer)
