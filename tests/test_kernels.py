@@ -341,6 +341,39 @@ def test_generate_triton_matches_torch_with_int2_history():
     torch.testing.assert_close(logits["triton"], logits["torch"], rtol=0, atol=2e-2)
 
 
+def test_chunks_of_several_tokens_through_the_model(monkeypatch):
+    """Verify-step-sized chunks (3–5 tokens, within the recent window) through a tiny bf16 model with a left-padded
+    row, as assisted decoding feeds them: the triton backend runs them in the decode kernel (with the model's own
+    4-D masks) and its logits match the torch backend's."""
+    model = make_model("qwen3-gqa-qknorm-d128", dtype=torch.bfloat16).to(DEVICE)
+    ids = torch.randint(3, 90, (2, 42), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    ids[1, :5], mask[1, :5] = 0, 0
+    ids, mask = ids.to(DEVICE), mask.to(DEVICE)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    query_lengths = []
+    decode_ = triton_decode.decode
+    monkeypatch.setattr(triton_decode, "decode", lambda query, *a: query_lengths.append(query.shape[2]) or decode_(
+        query, *a))
+
+    def chunked(backend):
+        cache = OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model,
+                                                    sink_tokens=4, recent_tokens=8, backend=backend)
+        logits = []
+        with torch.no_grad():
+            for start, stop in [(0, 24), (24, 27), (27, 30), (30, 34), (34, 37), (37, 42)]:
+                out = model(input_ids=ids[:, start:stop], attention_mask=mask[:, :stop],
+                            position_ids=positions[:, start:stop], past_key_values=cache, use_cache=True)
+                logits.append(out.logits.float())
+        assert all(layer.n_history > 0 for layer in cache.layers)
+        return torch.cat(logits[1:], 1)
+
+    want, got = chunked("torch"), chunked("triton")
+    assert sorted(set(query_lengths)) == [3, 4, 5]  # every chunk after the prompt went to the decode kernel
+    torch.testing.assert_close(got, want, rtol=0, atol=4e-2)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
 def test_cache_quantizes_through_the_triton_writer():
     cfg = dict(sink_tokens=2, recent_tokens=4, flush_tokens=2)
     layers = {b: OscarLayer(OscarConfig(backend=b, **cfg), torch.eye(64), torch.eye(64)) for b in ("torch", "triton")}
