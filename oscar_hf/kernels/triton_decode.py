@@ -1,4 +1,5 @@
-"""Triton decode attention (one query token) over the OSCAR cache: split-K flash-decoding.
+"""Triton decode attention over the OSCAR cache: split-K flash-decoding of one query token (a decode step) or of
+the few newest ones (assisted decoding's verify step, causal among them).
 
 The pure-torch twin (and oracle) is :func:`oscar_hf.kernels.naive.attend`.
 
@@ -27,9 +28,10 @@ out of the element loop (per token and group):
 Centering (the history holds ``x - μ``, ``μ`` one fp32 vector per row and KV head): history logits get
 ``q·μ_K`` (once per program), and a history split's output gets ``(Σ p)·μ_V`` when it is normalised.
 
-The attention mask ``[B, 1, 1, T]`` (True = attend) is read per key and applied to the logits as ``-inf``, so
-left padding is exact. bf16 and fp16 only: fp32 models (and the layouts of :func:`kernel_supports`' other
-cases) run ``naive.attend``.
+A program's query rows are its GQA heads times the query tokens (``r·Q_LEN + t``). The attention mask
+``[B, 1, 1 or q, T]`` (True = attend) is read per key and query token and applied to the logits as ``-inf``, so
+left padding is exact; among the query tokens the window chunks are causal even without a mask. bf16 and fp16
+only: fp32 models (and the layouts of :func:`kernel_supports`' other cases) run ``naive.attend``.
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ class DecodeConfig:
 
 def default_config(batch: int, head_dim: int) -> DecodeConfig:
     """One warp per program (its reductions over tokens never leave the warp) and many programs per SM; from an
-    H100 sweep at D=128 (B=1 and 8, T=32K and 128K): 64-token tiles, 3 stages, 16 programs per SM."""
+    H100 sweep (D=128 at B=1, 8, 32 and T=32K, 128K; D=64 and 256 at B=8, T=32K): 64-token tiles (32 at D=256),
+    3 stages, 16 programs per SM."""
     return DecodeConfig(block_n=64 if head_dim <= 128 else 32, num_warps=1, num_stages=3, programs_per_sm=16)
 
 
