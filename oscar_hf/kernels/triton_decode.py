@@ -589,7 +589,6 @@ def attend(module, query, key, value, attention_mask, scaling) -> torch.Tensor:
     dequantized by ``triton_dequant`` where it serves the layer."""
     layer = key.layer
     if not kernel_supports(query, layer, attention_mask):
-        gather = (triton_dequant.dequantized if triton_dequant.layer_supports(layer)
-                  and not torch.compiler.is_compiling() else naive.stored_then_new)
+        gather = triton_dequant.dequantized if triton_dequant.layer_supports(layer) else naive.stored_then_new
         return naive.attend(module, query, key, value, attention_mask, scaling, gather)
     return decode(query, layer, attention_mask, scaling)
