@@ -13,8 +13,8 @@
    time of one call (Python launch overhead included) is reported too.
 4. Times the write kernel on a 32K-token prefill of one layer against that layer's bf16 SDPA prefill.
 5. Times a 4-token verify step (assisted decoding) over 32K and 128K tokens of one layer: the decode kernel with
-   several query tokens, against dequantizing the history (torch, or the Triton kernel) then SDPA; eager (the
-   CSV keeps the 128K one).
+   several query tokens, against dequantizing the history (torch, or the Triton kernel) then SDPA; eager, and GPU
+   time (kernels only, torch.profiler); the CSV keeps the 128K one.
 
 Prints a table and writes eval/results/bench_decode_<gpu>.csv (--sweep: every tile config at every point).
 """
@@ -175,6 +175,20 @@ def eager_time(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
 
 
+def device_time(fn, calls: int = 20) -> float:
+    """GPU ms per call of ``fn``: the summed device time of its kernels and copies (torch.profiler), without the
+    host work between them (smoke: the eager time)."""
+    if ARGS.smoke:
+        return eager_time(fn)
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.device_time_total for e in prof.key_averages()) / calls / 1e3
+
+
 def copy_bandwidth() -> float:
     """GB/s of a device-to-device copy, bytes read + written."""
     n = (1 << 20) if ARGS.smoke else min(1 << 30, torch.cuda.mem_get_info()[0] // 8)
@@ -292,14 +306,19 @@ def bench_verify(context: int, q_len: int = 4) -> dict:
     err = (fused.float() - want.float()).abs().max().item()
     if not err <= 1.6e-2 * (1 + want.float().abs().max().item()):
         sys.exit(f"ABORT: the {q_len}-token decode differs from naive.attend by {err:.3g} at T={context}")
-    times = {"fused": eager_time(lambda: decode(query, layer, None, None))}
+    calls = {"fused": lambda: decode(query, layer, None, None)}
     for name, gather in (("torch", naive.stored_then_new), ("triton", triton_dequant.dequantized)):
-        times[name] = eager_time(lambda g=gather: naive.attend(module, query, key, value, None, None, g))
+        calls[name] = lambda g=gather: naive.attend(module, query, key, value, None, None, g)
+    times = {name: eager_time(call) for name, call in calls.items()}
+    gpu = {name: device_time(call) for name, call in calls.items()}
     print(f"verify step, {q_len} query tokens over {context} tokens (Qwen3-8B layer, B=1, max error vs naive "
-          f"{err:.2g}): decode kernel {times['fused']:.3f} ms; history dequantized by torch {times['torch']:.3f} ms, "
-          f"by the Triton kernel {times['triton']:.3f} ms (+ SDPA)")
+          f"{err:.2g}), eager ms (GPU ms): decode kernel {times['fused']:.3f} ({gpu['fused']:.3f}); history "
+          f"dequantized by torch {times['torch']:.3f} ({gpu['torch']:.3f}), by the Triton kernel "
+          f"{times['triton']:.3f} ({gpu['triton']:.3f}), + SDPA")
     return {"verify_T": context, "verify_q": q_len, "verify_kernel_ms": times["fused"],
-            "verify_torch_ms": times["torch"], "verify_dequant_ms": times["triton"]}
+            "verify_torch_ms": times["torch"], "verify_dequant_ms": times["triton"],
+            "verify_kernel_gpu_ms": gpu["fused"], "verify_torch_gpu_ms": gpu["torch"],
+            "verify_dequant_gpu_ms": gpu["triton"]}
 
 
 def bench_write(tokens: int) -> dict:
