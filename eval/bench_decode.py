@@ -291,8 +291,8 @@ def bench_decode(shape: str, batch: int, context: int, copy_gbps: float, fast_ok
 def bench_verify(context: int, q_len: int = 4) -> dict:
     """Attention of ``q_len`` query tokens (assisted decoding's verify step) over a Qwen3-8B layer holding
     ``context`` tokens, batch 1, eager: the decode kernel reading the packed history (``decode``, several query
-    tokens), against the history dequantized by torch (``naive.stored_then_new``) or by the Triton dequantize
-    kernel (``triton_dequant.dequantized``), each followed by SDPA. Aborts if the kernel disagrees with naive."""
+    tokens), against the history dequantized by torch (``OscarLayer.materialize``) or by the Triton dequantize
+    kernel (``triton_dequant.dequantize_into``), each followed by SDPA. Aborts if the kernel disagrees with naive."""
     hq, heads, d = SHAPES["qwen3-8b"]
     layer = OscarLayer(OscarConfig(sink_tokens=SINK, recent_tokens=RECENT, backend="triton"), torch.eye(d),
                        torch.eye(d))
@@ -307,8 +307,8 @@ def bench_verify(context: int, q_len: int = 4) -> dict:
     if not err <= 1.6e-2 * (1 + want.float().abs().max().item()):
         sys.exit(f"ABORT: the {q_len}-token decode differs from naive.attend by {err:.3g} at T={context}")
     calls = {"fused": lambda: decode(query, layer, None, None)}
-    for name, gather in (("torch", naive.stored_then_new), ("triton", triton_dequant.dequantized)):
-        calls[name] = lambda g=gather: naive.attend(module, query, key, value, None, None, g)
+    for name, fill in (("torch", None), ("triton", triton_dequant.dequantize_into)):
+        calls[name] = lambda f=fill: naive.attend(module, query, key, value, None, None, f)
     times = {name: eager_time(call) for name, call in calls.items()}
     gpu = {name: device_time(call) for name, call in calls.items()}
     print(f"verify step, {q_len} query tokens over {context} tokens (Qwen3-8B layer, B=1, max error vs naive "

@@ -151,6 +151,12 @@ def _aligned(tokens: int) -> int:
     return -(-tokens // HISTORY_ALIGN) * HISTORY_ALIGN
 
 
+def _dequantize_history_into(layer: "OscarLayer", side: str, out: torch.Tensor) -> None:
+    """:meth:`OscarLayer.materialize`'s torch history fill (the whole history dequantized, as per-channel K needs
+    whole token groups, then its first ``out.shape[2]`` tokens copied)."""
+    out.copy_(layer._history(side, layer.n_history)[:, :, : out.shape[2]])
+
+
 def _count(index: int, doc: str) -> property:
     """One of an OscarLayer's counts as a Python int (reading a static layer's device counts synchronises)."""
 
@@ -388,14 +394,34 @@ class OscarLayer(CacheLayerMixin):
         history = DEQUANTIZERS[layout](rows, self.config.bits)
         return history + self.center[side] if side in self.config.centered_sides else history
 
-    def materialize(self, side: str, stop: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The stored sequence ``sink ‖ dequantized history ‖ recent`` of ``side`` ("key" or "value"),
-        rotated, ``[B, H, stop, D]`` (the first ``stop`` tokens, default all) in ``dtype`` (default the model's)."""
+    def materialize(
+        self,
+        side: str,
+        stop: int | None = None,
+        dtype: torch.dtype | None = None,
+        new: torch.Tensor | None = None,
+        dequantize_into=None,
+    ) -> torch.Tensor:
+        """The stored sequence ``sink ‖ dequantized history ‖ recent`` of ``side`` ("key" or "value"), rotated:
+        its first ``stop`` tokens (default all), then ``new [B, H, q, D]`` if given, as one ``[B, H, stop + q, D]``
+        buffer in ``dtype`` (default the model's). ``dequantize_into(layer, side, out)`` writes the first
+        ``out.shape[2]`` history tokens into the buffer's view ``out`` (default: torch, :meth:`_history`; the Triton
+        backend passes ``triton_dequant.dequantize_into``)."""
         self.check_flags()
         self._unroll_recent()
-        history = self._history(side, self.n_history)
-        parts = [self.sink[side][:, :, : self.n_sink], history, self.recent[side][:, :, : self.n_recent]]
-        return torch.cat([t.to(dtype or self.dtype) for t in parts], dim=2)[:, :, :stop]
+        stop = self.length if stop is None else min(stop, self.length)
+        n_sink = min(self.n_sink, stop)
+        n_hist = min(self.n_history, stop - n_sink)
+        batch, heads, _, dim = self.sink[side].shape
+        extra = 0 if new is None else new.shape[2]
+        out = torch.empty(batch, heads, stop + extra, dim, dtype=dtype or self.dtype, device=self.device)
+        out[:, :, :n_sink] = self.sink[side][:, :, :n_sink]
+        if n_hist:
+            (dequantize_into or _dequantize_history_into)(self, side, out[:, :, n_sink : n_sink + n_hist])
+        out[:, :, n_sink + n_hist : stop] = self.recent[side][:, :, : stop - n_sink - n_hist]
+        if new is not None:
+            out[:, :, stop:] = new
+        return out
 
     # ------------------------------------------------------------------ cache bookkeeping API
     def get_seq_length(self) -> int | torch.Tensor:

@@ -289,8 +289,8 @@ def test_dequantize_kernel_equals_materialize(dtype, bits, group, centering):
     assert (sink, layer.n_recent) == (8, 16) and hist > 100
     for past in (0, 3, sink, sink + 1, 100, sink + hist, sink + hist + 2, layer.length):
         for side in ("key", "value"):
-            got = triton_dequant.dequantized(layer, side, past, new)
-            want = naive.stored_then_new(layer, side, past, new)
+            got = layer.materialize(side, past, new=new, dequantize_into=triton_dequant.dequantize_into)
+            want = torch.cat([layer.materialize(side)[:, :, :past], new], dim=2)  # the whole sequence, sliced
             assert got.shape == want.shape == (2, 3, past + 5, 128) and got.dtype == dtype
             if dtype == torch.bfloat16:
                 torch.testing.assert_close(got, want, rtol=2**-7, atol=0)

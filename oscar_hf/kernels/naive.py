@@ -6,12 +6,6 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 
-def stored_then_new(layer, side: str, past: int, new: torch.Tensor) -> torch.Tensor:
-    """The first ``past`` stored tokens of ``side`` (history dequantized) followed by ``new``, ``[B, H, past + q, D]``
-    in the model dtype."""
-    return torch.cat([layer.materialize(side, past), new], dim=2)
-
-
 def attend(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -19,7 +13,7 @@ def attend(
     value,
     attention_mask: torch.Tensor | None,
     scaling: float | None,
-    gather=stored_then_new,
+    dequantize_into=None,
 ) -> torch.Tensor:
     """Attention of rotated queries over ``sink ‖ dequantized history ‖ recent``.
 
@@ -29,13 +23,15 @@ def attend(
             (the current chunk is attended unquantized, as in the OSCAR reference).
         attention_mask: bool ``[B, 1, q, ≥ T]`` (True = attend; a compileable cache's mask is longer than the
             sequence) or None (causal, aligned bottom-right).
-        gather: :func:`stored_then_new`'s signature; the Triton backend passes ``triton_dequant.dequantized``.
+        dequantize_into: the history fill of :meth:`OscarLayer.materialize` (None: torch; the Triton backend
+            passes ``triton_dequant.dequantize_into``).
     Returns:
         ``[B, q, Hq, D]`` in the rotated V basis.
     """
     layer = key.layer
     past = layer.length - key.new.shape[2]
-    k, v = gather(layer, "key", past, key.new), gather(layer, "value", past, value.new)
+    k, v = (layer.materialize(side, past, new=kv.new, dequantize_into=dequantize_into)
+            for side, kv in (("key", key), ("value", value)))
     q_len, kv_len = query.shape[2], k.shape[2]
     if attention_mask is not None:
         attention_mask = attention_mask[..., :kv_len]

@@ -48,6 +48,7 @@ from . import naive, on_device_of, triton_dequant
 LOG2E = 1.4426950408889634
 MAGIC = {torch.bfloat16: (tl.bfloat16, 0x4300, 128.0), torch.float16: (tl.float16, 0x6400, 1024.0)}
 WINDOW_BLOCK = {64: 32, 128: 32, 256: 16}  # sink/recent tile rows per head_dim (keeps shared memory < 40 KiB)
+WINDOW_TILES = tl.constexpr(2)  # tiles per sink/recent chunk
 MAX_QUERY_ROWS = 32  # query heads x query tokens per program of a several-token call (accumulator registers)
 
 
@@ -256,7 +257,7 @@ def _attend_dense(
 
 
 # Sequence-dependent ints are not specialized (on == 1 / divisibility by 16): each new combination would compile.
-@triton.jit(do_not_specialize=["stride_mb", "hist_splits", "win_chunk", "sink_splits", "total_splits", "rec_cap"])
+@triton.jit(do_not_specialize=["stride_mb", "hist_splits", "sink_splits", "total_splits", "rec_cap"])
 def _decode_stage1_kernel(
     q_ptr, stride_qb, stride_qh, stride_qt,
     sk_ptr, sv_ptr, stride_sink_b, stride_sink_h, stride_sink_n,
@@ -266,7 +267,7 @@ def _decode_stage1_kernel(
     mu_k_ptr, mu_v_ptr, stride_mu_b, stride_mu_h,
     mask_ptr, stride_mb, stride_mq, stride_mt,
     part_o_ptr, part_lse_ptr,
-    counts_ptr, hist_splits, win_chunk, sink_splits, total_splits, rec_cap,
+    counts_ptr, hist_splits, sink_splits, total_splits, rec_cap,
     H, qk_scale,
     G_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -278,6 +279,7 @@ def _decode_stage1_kernel(
     output and lse go to row ``(b·Hq + h·G_Q + r)·Q_LEN + t``."""
     NSUB: tl.constexpr = 8 // BITS
     W: tl.constexpr = D // NSUB
+    WIN_CHUNK: tl.constexpr = WINDOW_TILES * BLOCK_W
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -326,10 +328,10 @@ def _decode_stage1_kernel(
         tl.store(part_lse_ptr + part, tl.where(den > 0, m + tl.log2(safe_den), float("-inf")), mask=keep)
     else:  # one code path for sink and recent chunks (pointers chosen per program)
         in_sink = split < sink_splits
-        lo = (split - tl.where(in_sink, 0, sink_splits)) * win_chunk
+        lo = (split - tl.where(in_sink, 0, sink_splits)) * WIN_CHUNK
         off = tl.where(in_sink, b * stride_sink_b + h * stride_sink_h, b * stride_rec_b + h * stride_rec_h)
         _window_split(
-            q_head, stride_qh, stride_qt, lo, tl.minimum(lo + win_chunk, tl.where(in_sink, n_sink, n_recent)),
+            q_head, stride_qh, stride_qt, lo, tl.minimum(lo + WIN_CHUNK, tl.where(in_sink, n_sink, n_recent)),
             tl.where(in_sink, 0, n_sink + n_hist), tl.where(in_sink, sk_ptr, rk_ptr) + off,
             tl.where(in_sink, sv_ptr, rv_ptr) + off, tl.where(in_sink, stride_sink_n, stride_rec_n),
             tl.where(in_sink, 0, tl.load(counts_ptr + 3)), tl.where(in_sink, 1 << 30, rec_cap),
@@ -439,19 +441,20 @@ def kernel_supports(query: torch.Tensor, layer, attention_mask: torch.Tensor | N
 
 def plan(layer, batch: int, lengths: tuple[int, int, int] | None = None, config: DecodeConfig | None = None
          ) -> list[int]:
-    """``[history splits, window chunk, sink splits, total splits]`` of stage 1 for an OscarLayer holding ``lengths``
+    """``[history splits, sink splits, total splits]`` of stage 1 for an OscarLayer holding ``lengths``
     (sink, history, recent) tokens; None plans for its capacities, so that one launch serves every length (the
     kernel sizes its history chunks from the counts it reads). Splits are ordered sink, recent, history: the
-    window chunks (two tiles each, unpipelined) start in the first wave instead of trailing the last one."""
+    window chunks (``WINDOW_TILES`` tiles each, unpipelined) start in the first wave instead of trailing the last
+    one."""
     sink, hist, recent = layer.sink, layer.history, layer.recent
     d = sink["key"].shape[-1]
     n_sink, n_hist, n_recent = lengths or (sink.capacity, hist.capacity, recent.capacity)
     hist_bytes = 2 * (hist["key_codes"].shape[-1] + 2 * hist["key_scale"].shape[-1] * hist["key_scale"].element_size())
     hist_chunk = plan_splits(batch * sink["key"].shape[1], n_hist, hist_bytes, config or default_config(batch, d),
                              _sm_count(sink["key"].device))
-    win_chunk = 2 * WINDOW_BLOCK[d]
+    win_chunk = WINDOW_TILES.value * WINDOW_BLOCK[d]
     hist_splits, sink_splits = triton.cdiv(n_hist, hist_chunk), triton.cdiv(n_sink, win_chunk)
-    return [hist_splits, win_chunk, sink_splits, hist_splits + sink_splits + triton.cdiv(n_recent, win_chunk)]
+    return [hist_splits, sink_splits, hist_splits + sink_splits + triton.cdiv(n_recent, win_chunk)]
 
 
 def layer_tensors(layer) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
@@ -479,7 +482,7 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, bi
     cfg = config or default_config(batch, d)
     dt, magic_bits, magic_value = MAGIC[query.dtype]
     query = query if query.stride(-1) == 1 else query.contiguous()
-    hist_splits, win_chunk, sink_splits, total = splits
+    hist_splits, sink_splits, total = splits
     if attention_mask is None:
         mask, mask_strides = query.new_zeros(1, dtype=torch.uint8), (0, 0, 0)
     else:
@@ -501,7 +504,7 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, bi
             *mu,
             mask, *mask_strides,
             part_o, part_lse,
-            counts, hist_splits, win_chunk, sink_splits, total, max(rec_k.shape[2], 1),
+            counts, hist_splits, sink_splits, total, max(rec_k.shape[2], 1),
             heads, scaling * LOG2E,
             G_Q=group_q, BLOCK_G=max(8, triton.next_power_of_2(rows)),
             BLOCK_H=max(16, triton.next_power_of_2(rows)), D=d, BITS=bits,
@@ -589,6 +592,6 @@ def attend(module, query, key, value, attention_mask, scaling) -> torch.Tensor:
     dequantized by ``triton_dequant`` where it serves the layer."""
     layer = key.layer
     if not kernel_supports(query, layer, attention_mask):
-        gather = triton_dequant.dequantized if triton_dequant.layer_supports(layer) else naive.stored_then_new
-        return naive.attend(module, query, key, value, attention_mask, scaling, gather)
+        fill = triton_dequant.dequantize_into if triton_dequant.layer_supports(layer) else None
+        return naive.attend(module, query, key, value, attention_mask, scaling, fill)
     return decode(query, layer, attention_mask, scaling)

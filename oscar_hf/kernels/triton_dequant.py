@@ -1,9 +1,9 @@
 """Triton dequantize kernel: a per-token INT2/INT4 history back to the model dtype, written in place into the
-``sink ‖ history ‖ recent ‖ new`` buffer that attention over several query tokens (chunked prefill, assisted
-decoding) reads with SDPA.
+``sink ‖ history ‖ recent ‖ new`` buffer (:meth:`OscarLayer.materialize`) that attention over a prefill chunk
+reads with SDPA.
 
-The pure-torch twin is :meth:`OscarLayer.materialize` (``quantizer.dequantize``, the center added back, cast to the
-model dtype): the kernel computes ``zero + scale·code (+ μ)`` in fp32 with the same roundings (no fused
+The pure-torch twin is materialize's default history fill (``quantizer.dequantize``, the center added back, cast
+to the buffer's dtype): the kernel computes ``zero + scale·code (+ μ)`` in fp32 with the same roundings (no fused
 multiply-add) and rounds to the model dtype to nearest even, so on a GPU its output is bit-identical (under
 TRITON_INTERPRET=1, fp32 → bf16 rounds toward zero: up to one bf16 ulp apart).
 """
@@ -54,45 +54,28 @@ def _dequantize_kernel(
 
 
 def layer_supports(layer) -> bool:
-    """Whether :func:`dequantized` serves an initialized OscarLayer (per-token history, on CUDA or the
+    """Whether :func:`dequantize_into` serves an initialized OscarLayer (per-token history, on CUDA or the
     interpreter)."""
     return layer.config.key_quantization == "per-token" and (
         layer.device.type == "cuda" or triton.knobs.runtime.interpret
     )
 
 
-def dequantized(layer, side: str, past: int, new: torch.Tensor) -> torch.Tensor:
-    """The first ``past`` stored tokens of ``side`` followed by ``new``, ``[B, H, past + q, D]`` in the model dtype:
-    :meth:`OscarLayer.materialize` then ``torch.cat`` with ``new``, in one buffer, the history dequantized by the
-    kernel (a per-token layer, see :func:`layer_supports`).
-
-    Args:
-        layer: an initialized OscarLayer holding at least ``past`` tokens.
-        side: "key" or "value".
-        past: how many stored tokens (sink, then history, then recent) come before ``new``.
-        new: ``[B, H, q, D]`` in the model dtype.
-    """
-    layer.check_flags()
-    layer._unroll_recent()
-    n_sink, n_hist = min(layer.n_sink, past), min(layer.n_history, max(past - layer.n_sink, 0))
-    n_recent = past - n_sink - n_hist
-    batch, heads, q, dim = new.shape
-    out = torch.empty(batch, heads, past + q, dim, dtype=layer.dtype, device=new.device)
-    out[:, :, :n_sink] = layer.sink[side][:, :, :n_sink]
-    out[:, :, n_sink + n_hist:past] = layer.recent[side][:, :, :n_recent]
-    out[:, :, past:] = new
-    if n_hist:
-        h = layer.history.read(n_hist)
-        codes, scale, zero = h[f"{side}_codes"], h[f"{side}_scale"], h[f"{side}_zero"]
-        centered = side in layer.config.centered_sides
-        center = layer.center[side] if centered else scale  # (a stand-in pointer, never read)
-        target = out[:, :, n_sink:]
-        with on_device_of(out):
-            _dequantize_kernel[(batch * heads, triton.cdiv(n_hist, BLOCK_N))](
-                codes, scale, zero, center, target,
-                *codes.stride()[:3], *scale.stride()[:3], *center.stride()[:2], *target.stride()[:3],
-                n_hist, heads,
-                D=dim, BITS=layer.config.bits, GROUP=layer.group_size, BLOCK_N=BLOCK_N, CENTERED=centered,
-                num_warps=4, enable_fp_fusion=False,
-            )
-    return out
+def dequantize_into(layer, side: str, out: torch.Tensor) -> None:
+    """:meth:`OscarLayer.materialize`'s history fill on the kernel: the first ``out.shape[2]`` history tokens of
+    ``side``, dequantized, written into ``out`` (a ``[B, H, n, D]`` view of the buffer; a per-token layer, see
+    :func:`layer_supports`)."""
+    n_hist = out.shape[2]
+    h = layer.history.read(n_hist)
+    codes, scale, zero = h[f"{side}_codes"], h[f"{side}_scale"], h[f"{side}_zero"]
+    centered = side in layer.config.centered_sides
+    center = layer.center[side] if centered else scale  # (a stand-in pointer, never read)
+    batch, heads, _, dim = out.shape
+    with on_device_of(out):
+        _dequantize_kernel[(batch * heads, triton.cdiv(n_hist, BLOCK_N))](
+            codes, scale, zero, center, out,
+            *codes.stride()[:3], *scale.stride()[:3], *center.stride()[:2], *out.stride()[:3],
+            n_hist, heads,
+            D=dim, BITS=layer.config.bits, GROUP=layer.group_size, BLOCK_N=BLOCK_N, CENTERED=centered,
+            num_warps=4, enable_fp_fusion=False,
+        )
