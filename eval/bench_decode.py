@@ -1,6 +1,6 @@
 """Decode-attention and write-kernel benchmark of the Triton backend on one CUDA GPU.
 
-    PYTHONPATH=. python eval/bench_decode.py [--quick] [--sweep] [--shapes qwen3-8b,...] [--out eval/results]
+    PYTHONPATH=. python eval/bench_decode.py [--quick] [--sweep] [--shapes qwen3-8b,...] [--key-bits 4] [--out DIR]
     PYTHONPATH=. python eval/bench_decode.py --smoke          # CPU, TRITON_INTERPRET=1, tiny shapes, no timings
 
 1. Checks both kernels against their torch oracles (write: bit-identical; decode: as close to an fp32 reference
@@ -16,7 +16,8 @@
    several query tokens, against dequantizing the history (torch, or the Triton kernel) then SDPA; eager, and GPU
    time (kernels only, torch.profiler); the CSV keeps the 128K one.
 
-Prints a table and writes eval/results/bench_decode_<gpu>.csv (--sweep: every tile config at every point).
+Prints a table and writes eval/results/bench_decode_<gpu>.csv (--sweep: every tile config at every point;
+--key-bits 4: 4-bit K with 2-bit V everywhere, the CSV named ..._<gpu>-k4.csv).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def parse_args():
     p.add_argument("--sweep", action="store_true", help="time every tile config at every point")
     p.add_argument("--smoke", action="store_true", help="CPU/TRITON_INTERPRET=1 run of the whole script, tiny shapes")
     p.add_argument("--shapes", default=None, help="comma-separated subset of the grid's shapes")
+    p.add_argument("--key-bits", type=int, choices=(2, 4), default=2, help="K's bits (V's are 2)")
     p.add_argument("--out", default="eval/results", help="folder for the CSV")
     return p.parse_args()
 
@@ -77,8 +79,9 @@ def check_write() -> None:
     cases = ((128, None, torch.bfloat16), (64, 32, torch.float16), (256, None, torch.bfloat16))
     for d, group, dtype in cases[:1] if ARGS.smoke or ARGS.quick else cases:  # (each case compiles a kernel)
         k, v = ((torch.randn(4, rows, d, device=DEVICE) * 3).to(dtype) for _ in range(2))
-        got = quantize_pack_kv(k, v, group_size=group, k_clip=0.96, v_clip=0.92)
-        want = (quantize(k, group_size=group, clip=0.96), quantize(v, group_size=group, clip=0.92))
+        got = quantize_pack_kv(k, v, key_bits=ARGS.key_bits, group_size=group, k_clip=0.96, v_clip=0.92)
+        want = (quantize(k, bits=ARGS.key_bits, group_size=group, clip=0.96),
+                quantize(v, group_size=group, clip=0.92))
         for g, w in zip(got, want):
             if not all(torch.equal(a, b) for a, b in zip(g, w)):
                 sys.exit(f"ABORT: write kernel differs from quantizer.quantize (D={d}, group={group}, {dtype})")
@@ -89,7 +92,7 @@ def check_decode(fast_unpack: bool) -> bool:
     """Real layers (prefill + one decode step through the triton writer, left padding) vs naive.attend."""
     cases = ((4, 128, torch.bfloat16, 700), (4, 64, torch.float16, 300), (8, 256, torch.bfloat16, 90))
     for groups, d, dtype, n in cases[:1] if ARGS.smoke or ARGS.quick else cases:
-        cfg = OscarConfig(sink_tokens=8, recent_tokens=16, flush_tokens=4, backend="triton")
+        cfg = OscarConfig(sink_tokens=8, recent_tokens=16, flush_tokens=4, key_bits=ARGS.key_bits, backend="triton")
         layer = OscarLayer(cfg, torch.eye(d), torch.eye(d))
         kv = torch.randn(2, 2, 2, n, d, device=DEVICE).to(dtype)
         kv[:, 1, :, :37] = 30.0  # left padding with huge K/V: a leak would show
@@ -117,8 +120,8 @@ def check_decode(fast_unpack: bool) -> bool:
 # ------------------------------------------------------------------------------------------- synthetic data
 def synthetic_layer(batch: int, heads: int, d: int, n_hist: int, dtype=torch.bfloat16) -> OscarLayer:
     """An OscarLayer holding SINK + n_hist + RECENT tokens of random data (codes need no quantization to time),
-    centered (the default config)."""
-    config = OscarConfig(sink_tokens=SINK, recent_tokens=RECENT, backend="triton")
+    centered (the default config), K codes of ``--key-bits``."""
+    config = OscarConfig(sink_tokens=SINK, recent_tokens=RECENT, key_bits=ARGS.key_bits, backend="triton")
     layer = OscarLayer(config, torch.eye(d), torch.eye(d))
     x = torch.zeros(batch, heads, 1, d, dtype=dtype, device=DEVICE)
     layer.lazy_initialization(x, x)
@@ -129,7 +132,8 @@ def synthetic_layer(batch: int, heads: int, d: int, n_hist: int, dtype=torch.bfl
     def meta(lo, hi):
         return torch.empty(batch, heads, n_hist, 1, dtype=torch.float16, device=DEVICE).uniform_(lo, hi)
 
-    codes = [torch.randint(0, 256, (batch, heads, n_hist, d // 4), dtype=torch.uint8, device=DEVICE) for _ in "kv"]
+    codes = [torch.randint(0, 256, (batch, heads, n_hist, d * bits // 8), dtype=torch.uint8, device=DEVICE)
+             for bits in (ARGS.key_bits, 2)]
     layer.sink.tensors = {"key": window(SINK), "value": window(SINK)}
     layer.recent.tensors = {"key": window(RECENT), "value": window(RECENT)}
     layer.history.tensors = {"key_codes": codes[0], "key_scale": meta(0.02, 0.05), "key_zero": meta(-0.1, -0.05),
@@ -141,7 +145,7 @@ def synthetic_layer(batch: int, heads: int, d: int, n_hist: int, dtype=torch.bfl
 
 
 def packed_bytes(batch: int, hq: int, heads: int, d: int, n_hist: int) -> int:
-    codes = 2 * batch * heads * n_hist * d // 4
+    codes = batch * heads * n_hist * d * (ARGS.key_bits + 2) // 8
     meta = 2 * 2 * batch * heads * n_hist * 2
     windows = 2 * batch * heads * (SINK + RECENT) * d * 2
     return codes + meta + windows + batch * hq * d * 2
@@ -294,8 +298,8 @@ def bench_verify(context: int, q_len: int = 4) -> dict:
     tokens), against the history dequantized by torch (``OscarLayer.materialize``) or by the Triton dequantize
     kernel (``triton_dequant.dequantize_into``), each followed by SDPA. Aborts if the kernel disagrees with naive."""
     hq, heads, d = SHAPES["qwen3-8b"]
-    layer = OscarLayer(OscarConfig(sink_tokens=SINK, recent_tokens=RECENT, backend="triton"), torch.eye(d),
-                       torch.eye(d))
+    layer = OscarLayer(OscarConfig(sink_tokens=SINK, recent_tokens=RECENT, key_bits=ARGS.key_bits, backend="triton"),
+                       torch.eye(d), torch.eye(d))
     k, v = (torch.randn(1, heads, context, d, device=DEVICE).to(torch.bfloat16) for _ in range(2))
     layer.update(k[:, :, :-q_len], v[:, :, :-q_len])
     key, value = layer.update(k[:, :, -q_len:], v[:, :, -q_len:])
@@ -324,8 +328,8 @@ def bench_verify(context: int, q_len: int = 4) -> dict:
 def bench_write(tokens: int) -> dict:
     hq, heads, d = SHAPES["qwen3-8b"]
     k, v = (torch.randn(1, heads, tokens, d, device=DEVICE).to(torch.bfloat16) for _ in range(2))
-    kernel_ms = eager_time(lambda: quantize_pack_kv(k, v, k_clip=0.96, v_clip=0.92))
-    torch_ms = eager_time(lambda: (quantize(k, clip=0.96), quantize(v, clip=0.92)))
+    kernel_ms = eager_time(lambda: quantize_pack_kv(k, v, key_bits=ARGS.key_bits, k_clip=0.96, v_clip=0.92))
+    torch_ms = eager_time(lambda: (quantize(k, bits=ARGS.key_bits, clip=0.96), quantize(v, clip=0.92)))
     q = torch.randn(1, hq, tokens, d, device=DEVICE).to(torch.bfloat16)
     kr, vr = (t.repeat_interleave(hq // heads, dim=1) for t in (k, v))
     prefill_ms = eager_time(lambda: torch.nn.functional.scaled_dot_product_attention(q, kr, vr, is_causal=True))
@@ -372,9 +376,9 @@ def main():
     verify = [bench_verify(t) for t in ((400,) if ARGS.smoke else (32768, 131072))]
     out = Path(ARGS.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"bench_decode_{device_slug(env)}.csv"
-    rows = [{**row, "copy_GBps": copy_gbps, **{f"write_{k}": v for k, v in write.items()}, **verify[-1]}
-            for row in rows]
+    path = out / f"bench_decode_{device_slug(env)}{'-k4' if ARGS.key_bits == 4 else ''}.csv"
+    rows = [{**row, "key_bits": ARGS.key_bits, "copy_GBps": copy_gbps, **{f"write_{k}": v for k, v in write.items()},
+             **verify[-1]} for row in rows]
     with open(path, "w", newline="") as f:  # the copy bandwidth, write and verify results repeat on every row
         writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else [])
         writer.writeheader()

@@ -3,9 +3,10 @@
 Per full-attention layer and KV head the cached sequence is ``sink ‖ history ‖ recent``:
 
 * ``sink``    model dtype ``[B, H, ≤ sink_tokens, D]``: the first tokens;
-* ``history`` packed codes uint8 ``[B, H, N, D·bits/8]`` with scale and zero ``[B, H, N, D/group]``; with
-  ``OscarConfig.key_quantization="per-channel"`` K's scale and zero are ``[B, H, N/G, D]`` instead (one per channel
-  and group of ``G = flush_tokens`` tokens), and every demotion moves whole groups;
+* ``history`` packed codes uint8 ``[B, H, N, D·bits/8]`` (K's ``D·key_bits/8``) with scale and zero
+  ``[B, H, N, D/group]``; with ``OscarConfig.key_quantization="per-channel"`` K's scale and zero are
+  ``[B, H, N/G, D]`` instead (one per channel and group of ``G = flush_tokens`` tokens), and every demotion moves
+  whole groups;
 * ``recent``  model dtype ``[B, H, ≤ recent_tokens + flush_tokens - 1, D]``: the newest tokens, a ring buffer
   whose oldest token is row ``recent_start`` (0 except after graph steps; host-side code unrolls it first);
 * ``center``  fp32 ``[B, H, 1, D]`` per centered side (``OscarConfig.centered_sides``): the history stores
@@ -185,6 +186,9 @@ class OscarLayer(CacheLayerMixin):
         max_cache_len: int | None = None,
     ):
         super().__init__()
+        if config.key_bits_layers is not None:
+            raise ValueError("OscarLayer takes one layer's config: pass OscarConfig.for_layer(layer_idx), which "
+                             "resolves key_bits_layers")
         self.config = config
         self.key_rotation = key_rotation
         self.value_rotation = value_rotation
@@ -246,7 +250,8 @@ class OscarLayer(CacheLayerMixin):
 
         self.sink = _Segment({"key": empty(dim, dtype=self.dtype), "value": empty(dim, dtype=self.dtype)})
         self.recent = _Segment({"key": empty(dim, dtype=self.dtype), "value": empty(dim, dtype=self.dtype)})
-        codes, groups, scale_dtype = dim * cfg.bits // 8, dim // self.group_size, cfg.torch_scale_dtype
+        groups, scale_dtype = dim // self.group_size, cfg.torch_scale_dtype
+        codes = {side: dim * bits // 8 for side, bits in cfg.side_bits.items()}
         self.center = _Segment({side: torch.zeros(batch, heads, int(side in cfg.centered_sides), dim,
                                                   device=self.device) for side in ("key", "value")})
         # per side: (scale and zero columns, tokens per scale row)
@@ -254,7 +259,7 @@ class OscarLayer(CacheLayerMixin):
         meta = {"key": layouts[cfg.key_quantization], "value": layouts["per-token"]}
         self.history = _Segment(
             {
-                f"{side}_{part}": empty(codes, dtype=torch.uint8)
+                f"{side}_{part}": empty(codes[side], dtype=torch.uint8)
                 if part == "codes"
                 else empty(meta[side][0], dtype=scale_dtype)
                 for side in ("key", "value")
@@ -374,6 +379,7 @@ class OscarLayer(CacheLayerMixin):
             rows["key"],
             rows["value"],
             bits=cfg.bits,
+            key_bits=cfg.side_bits["key"],
             group_size=self.group_size,
             k_clip=cfg.k_clip,
             v_clip=cfg.v_clip,
@@ -391,7 +397,7 @@ class OscarLayer(CacheLayerMixin):
         h = self.history.read(stop, start)
         layout = self.config.key_quantization if side == "key" else "per-token"
         rows = QuantizedRows(h[f"{side}_codes"], h[f"{side}_scale"], h[f"{side}_zero"])
-        history = DEQUANTIZERS[layout](rows, self.config.bits)
+        history = DEQUANTIZERS[layout](rows, self.config.side_bits[side])
         return history + self.center[side] if side in self.config.centered_sides else history
 
     def materialize(
@@ -566,12 +572,16 @@ class OscarQuantizedCache(Cache):
             raise ImportError("OscarConfig.backend='triton' needs the triton package (pip install oscar-hf[triton])")
         shape = ModelShape.from_config(model_config)
         config.resolved_group_size(shape.head_dim)
+        for i in config.key_bits_layers or ():
+            if i >= len(shape.layer_types) or shape.layer_types[i] != "full_attention":
+                raise ValueError(f"OscarConfig.key_bits_layers lists layer {i}, which is not a full-attention layer "
+                                 f"of this model ({len(shape.layer_types)} layers; sliding-window layers stay in "
+                                 "the model dtype)")
         layers = []
         for i, kind in enumerate(shape.layer_types):
             if kind == "full_attention":
-                layers.append(
-                    OscarLayer(config, rotations.key_rotation[i], rotations.value_rotation[i], max_cache_len)
-                )
+                layers.append(OscarLayer(config.for_layer(i), rotations.key_rotation[i], rotations.value_rotation[i],
+                                         max_cache_len))
             elif kind == "sliding_attention":
                 layers.append(DynamicSlidingWindowLayer(sliding_window=shape.sliding_window))
             else:

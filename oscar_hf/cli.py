@@ -112,7 +112,8 @@ def cmd_info(args) -> None:
     print(f"config: {json.dumps(config.to_dict())}")
     for length in (4096, 32768, 131072):
         print(
-            f"bits per element at {length // 1024}K tokens: {config.bits_per_element(rotations.head_dim, length):.3f}"
+            f"bits per element at {length // 1024}K tokens: "
+            f"{config.bits_per_element(rotations.head_dim, length, num_layers=len(rotations.key_rotation)):.3f}"
         )
     if rotations.diagnostics:
         print(format_table(rotations.diagnostics))
@@ -138,7 +139,7 @@ def cmd_eval(args) -> None:
     methods = (
         args.methods.split(",")
         if args.methods
-        else [m.name for m in METHODS.values() if m.rotations != "calibrated" or calibrated is not None]
+        else [m.name for m in METHODS.values() if m.runs_with(calibrated)]
     )
     model, tokenizer = load_model(args.model, args.dtype)
     text = Path(args.text).read_text(encoding="utf-8") if args.text else None
@@ -155,6 +156,8 @@ def cmd_eval(args) -> None:
         score_tokens=args.score_tokens,
         segments=args.segments,
         niah_lengths=[int(n) for n in args.niah_lengths.split(",")],
+        niah_depths=[float(d) for d in args.niah_depths.split(",")],
+        niah_needles=args.niah_needles,
         gsm8k_path=args.gsm8k,
         gsm8k_limit=args.limit,
     )
@@ -217,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--score-tokens", type=int, default=128)
     ev.add_argument("--segments", type=int, default=8)
     ev.add_argument("--niah-lengths", default="1024,2048")
+    ev.add_argument("--niah-depths", default="0,0.25,0.5,0.75,1", help="needle depths, 0 (start) to 1 (end)")
+    ev.add_argument("--niah-needles", type=int, default=1, help="needles (different numbers) per length and depth")
     ev.add_argument("--gsm8k", help="GSM8K test jsonl")
     ev.add_argument("--limit", type=int, help="first N GSM8K items")
     ev.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")

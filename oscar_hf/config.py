@@ -29,11 +29,16 @@ class OscarConfig:
 
     Per layer and KV head, the first ``sink_tokens`` and the newest ``recent_tokens`` (plus up to
     ``flush_tokens - 1`` more) stay in the model's dtype; every token between is clipped, quantized
-    per token and per group of ``group_size`` channels to ``bits`` bits, and packed (K per channel instead
-    with ``key_quantization="per-channel"``).
+    per token and per group of ``group_size`` channels to ``bits`` bits (K to ``key_bits``), and packed (K per
+    channel instead with ``key_quantization="per-channel"``).
 
     Args:
-        bits: 2 (OSCAR) or 4 (INT4 reference).
+        bits: 2 (OSCAR) or 4 (INT4 reference): V's bits, and K's unless ``key_bits`` is set.
+        key_bits: K's bits, 2 or 4; ``None`` means ``bits``. Retrieval leans on the keys: a 2-bit history blurs
+            which of several similar tokens a head points at, and 4-bit keys with 2-bit values restore it.
+        key_bits_layers: the layer indices whose K gets ``key_bits`` (the others' K gets ``bits``); ``None``
+            means every layer. :func:`oscar_hf.diagnostics.most_sensitive_layers` picks them from a bundle's
+            calibration diagnostics.
         group_size: channels sharing one scale and zero; ``None`` means head_dim. A power of two
             that divides head_dim.
         sink_tokens: leading tokens kept in the model's dtype.
@@ -58,6 +63,8 @@ class OscarConfig:
     """
 
     bits: int = 2
+    key_bits: int | None = None
+    key_bits_layers: list[int] | None = None
     group_size: int | None = None
     sink_tokens: int = 64
     recent_tokens: int = 256
@@ -76,6 +83,16 @@ class OscarConfig:
             self.scale_dtype = names.get(self.scale_dtype, str(self.scale_dtype))
         if self.bits not in (2, 4) or not _is_int(self.bits):
             self._fail("bits", "2 or 4")
+        if self.key_bits is not None and (self.key_bits not in (2, 4) or not _is_int(self.key_bits)):
+            self._fail("key_bits", "None (same as bits), 2 or 4")
+        if self.key_bits_layers is not None:
+            layers = self.key_bits_layers
+            if not (isinstance(layers, (list, tuple)) and all(_is_int(i) and i >= 0 for i in layers)
+                    and len(set(layers)) == len(layers)):
+                self._fail("key_bits_layers", "None (every layer) or a list of distinct layer indices >= 0")
+            if self.key_bits is None:
+                self._fail("key_bits_layers", "None unless key_bits is set (the listed layers' K bits)")
+            self.key_bits_layers = sorted(layers)
         if self.group_size is not None and not (
             _is_int(self.group_size) and self.group_size > 0 and self.group_size & (self.group_size - 1) == 0
         ):
@@ -95,8 +112,8 @@ class OscarConfig:
             self._fail("scale_dtype", " or ".join(repr(k) for k in SCALE_DTYPES))
         if self.quantizer not in QUANTIZERS:
             self._fail("quantizer", " or ".join(repr(k) for k in QUANTIZERS))
-        if self.quantizer == "lloyd-max" and self.bits != 2:
-            self._fail("quantizer", "'uniform' when bits=4 ('lloyd-max' has 2-bit levels only)")
+        if self.quantizer == "lloyd-max" and 4 in self.side_bits.values():
+            self._fail("quantizer", "'uniform' with 4-bit K or V ('lloyd-max' has 2-bit levels only)")
         if not isinstance(self.centering, bool):
             self._fail("centering", "True or False")
         if self.key_quantization not in KEY_QUANTIZATIONS:
@@ -112,17 +129,40 @@ class OscarConfig:
         raise ValueError(f"OscarConfig.{field} must be {allowed}; got {getattr(self, field)!r}")
 
     @property
+    def side_bits(self) -> dict[str, int]:
+        """Bits per code of each side in a layer that ``key_bits_layers`` lists: ``{"key": key_bits or bits,
+        "value": bits}`` (see :meth:`for_layer`)."""
+        return {"key": self.bits if self.key_bits is None else self.key_bits, "value": self.bits}
+
+    def for_layer(self, layer_idx: int) -> "OscarConfig":
+        """The config of one layer: ``key_bits_layers`` resolved (``key_bits`` if it lists the layer, else
+        ``bits``), so that ``side_bits`` is that layer's."""
+        if self.key_bits_layers is None:
+            return self
+        return self.replace(key_bits=self.key_bits if layer_idx in self.key_bits_layers else None,
+                            key_bits_layers=None)
+
+    def mean_key_bits(self, num_layers: int | None) -> float:
+        """K's bits averaged over a model's ``num_layers`` quantized layers (needed with ``key_bits_layers``)."""
+        if self.key_bits_layers is None:
+            return self.side_bits["key"]
+        if num_layers is None:
+            raise ValueError("OscarConfig.key_bits_layers is set: bits per element need the model's num_layers")
+        high = sum(i < num_layers for i in self.key_bits_layers)
+        return (high * self.key_bits + (num_layers - high) * self.bits) / num_layers
+
+    @property
     def torch_scale_dtype(self) -> torch.dtype:
         return SCALE_DTYPES[self.scale_dtype]
 
     def resolved_group_size(self, head_dim: int) -> int:
         """The group size for a given head_dim; raises ValueError if it cannot be used."""
         group = self.group_size or head_dim
-        per_byte = 8 // self.bits
+        bits = min(self.side_bits.values())
         if head_dim % group:
             raise ValueError(f"OscarConfig.group_size={group} must divide head_dim={head_dim}")
-        if head_dim % per_byte:
-            raise ValueError(f"head_dim={head_dim} must be a multiple of {per_byte} to pack {self.bits}-bit codes")
+        if head_dim % (8 // bits):
+            raise ValueError(f"head_dim={head_dim} must be a multiple of {8 // bits} to pack {bits}-bit codes")
         return group
 
     @property
@@ -137,17 +177,21 @@ class OscarConfig:
         """The history grows by multiples of this: ``flush_tokens`` (a token group) with per-channel K, else 1."""
         return self.flush_tokens if self.key_quantization == "per-channel" else 1
 
-    def bits_per_element(self, head_dim: int, seq_len: int | None = None, model_bits: int = 16) -> float:
-        """Analytic bits per stored K/V element, for a sequence of ``seq_len`` tokens (None: the history alone).
+    def bits_per_element(
+        self, head_dim: int, seq_len: int | None = None, model_bits: int = 16, num_layers: int | None = None
+    ) -> float:
+        """Analytic bits per stored K/V element, for a sequence of ``seq_len`` tokens (None: the history alone),
+        averaged over ``num_layers`` layers (needed only with ``key_bits_layers``).
 
-        A history element costs ``bits`` plus its share of a scale and a zero: V (and per-token K) has one pair
+        A history element costs its side's bits plus its share of a scale and a zero: V (and per-token K) has one pair
         per token and group of ``group_size`` channels, per-channel K one per channel and group of
         ``flush_tokens`` tokens. The windows hold what a prefill of ``seq_len`` tokens leaves in them.
         """
         scale_bits = torch.finfo(self.torch_scale_dtype).bits
         group = self.resolved_group_size(head_dim)
         key_group = {"per-token": group, "per-channel": self.flush_tokens}[self.key_quantization]
-        history = self.bits + scale_bits / key_group + scale_bits / group  # the mean over K and V
+        # the mean over K and V of the code bits and a scale and a zero per group
+        history = (self.mean_key_bits(num_layers) + self.bits) / 2 + scale_bits / key_group + scale_bits / group
         if seq_len is None:
             return history
         past_windows = max(seq_len - self.sink_tokens - self.recent_tokens, 0)

@@ -35,22 +35,23 @@ class DiagnosticsObserver:
         centered = side in cfg.centered_sides
         center = x.mean(dim=2, keepdim=True) if centered else torch.zeros_like(x[:, :, :1])
         x = x - center
+        bits = cfg.side_bits[side]
         if side == "key" and cfg.key_quantization == "per-channel":
             # whole token groups, as the cache demotes them; the last partial group stays exact (recent window)
             whole = x.shape[2] // cfg.flush_tokens * cfg.flush_tokens
             rows = quantize_per_channel(
-                x[:, :, :whole], token_group=cfg.flush_tokens, bits=cfg.bits, scale_dtype=cfg.torch_scale_dtype
+                x[:, :, :whole], token_group=cfg.flush_tokens, bits=bits, scale_dtype=cfg.torch_scale_dtype
             )
-            return torch.cat([dequantize_per_channel(rows, cfg.bits), x[:, :, whole:]], dim=2) + center
+            return torch.cat([dequantize_per_channel(rows, bits), x[:, :, whole:]], dim=2) + center
         rows = quantize(
             x,
-            bits=cfg.bits,
+            bits=bits,
             group_size=cfg.group_size,
             clip=clip,
             scale_dtype=cfg.torch_scale_dtype,
             method=cfg.quantizer,
         )
-        return dequantize(rows, cfg.bits) + center
+        return dequantize(rows, bits) + center
 
     def observe(self, layer_idx, query, key, value, output, scaling) -> None:
         cfg, device = self.config, key.device
@@ -122,3 +123,14 @@ def format_comparison(named: dict[str, list[dict]]) -> str:
     for name, diagnostics in named.items():
         lines.append(f"{name:<{width}} " + " ".join(f"{value:>12.4g}" for value in summarize(diagnostics).values()))
     return "\n".join(lines)
+
+
+def most_sensitive_layers(diagnostics: list[dict], fraction: float, metric: str = "score_kl") -> list[int]:
+    """The ``round(fraction · layers)`` layers with the largest ``metric`` in a bundle's diagnostics (by default the
+    attention-score KL that INT2 keys cause): where more K bits (``OscarConfig.key_bits_layers``) pay most."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"fraction must be in [0, 1]; got {fraction}")
+    if not diagnostics or any(metric not in row for row in diagnostics):
+        raise ValueError(f"the diagnostics have no {metric!r} for every layer (calibrate with diagnostics on)")
+    ranked = sorted(diagnostics, key=lambda row: row[metric], reverse=True)
+    return sorted(row["layer"] for row in ranked[: round(fraction * len(diagnostics))])

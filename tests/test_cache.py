@@ -179,6 +179,39 @@ def test_nbytes_and_bits_per_element_match_the_analytic_count():
     )
 
 
+def test_key_bits_store_keys_at_their_own_width():
+    """4-bit K and 2-bit V: K codes twice as wide, each side reads back as the quantizer at its bits, and the
+    stored bits per element are the analytic count."""
+    cfg = OscarConfig(key_bits=4, sink_tokens=4, recent_tokens=8, flush_tokens=2, backend="torch")
+    layer = OscarLayer(cfg, torch.eye(64), torch.eye(64))
+    kv = torch.randn(2, 2, 3, 100, 64, generator=torch.Generator().manual_seed(5))
+    layer.update(kv[0], kv[1])
+    n = layer.n_history
+    assert layer.history["key_codes"].shape[-1] == 32 and layer.history["value_codes"].shape[-1] == 16
+    for side, clip, bits in (("key", cfg.k_clip, 4), ("value", cfg.v_clip, 2)):
+        center = kv[int(side == "value"), :, :, 4 : 4 + n].mean(dim=2, keepdim=True)
+        rows = quantize(kv[int(side == "value"), :, :, 4 : 4 + n] - center, bits=bits, clip=clip)
+        torch.testing.assert_close(layer.materialize(side)[:, :, 4 : 4 + n], dequantize(rows, bits) + center,
+                                   rtol=0, atol=1e-5)
+    bits, elements = layer.stored_bits_and_elements()
+    assert bits / elements == pytest.approx(cfg.bits_per_element(64, 100, model_bits=32))  # fp32 windows
+
+
+def test_key_bits_layers_give_listed_layers_wider_keys():
+    model = make_model("qwen3-gqa-qknorm-d128", num_hidden_layers=3)
+    cache = OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model, key_bits=4,
+                                                key_bits_layers=[1], sink_tokens=4, recent_tokens=8)
+    model(input_ids=torch.randint(3, 90, (1, 100)), past_key_values=cache, use_cache=True)
+    assert [layer.history["key_codes"].shape[-1] for layer in cache.layers] == [32, 64, 32]
+    assert {layer.history["value_codes"].shape[-1] for layer in cache.layers} == {32}
+    assert cache.bits_per_element == pytest.approx(cache.config.bits_per_element(128, 100, 32, num_layers=3))
+    with pytest.raises(ValueError, match="key_bits_layers lists layer 3"):
+        OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model, key_bits=4,
+                                            key_bits_layers=[3])
+    with pytest.raises(ValueError, match="for_layer"):
+        OscarLayer(OscarConfig(key_bits=4, key_bits_layers=[0]), torch.eye(64), torch.eye(64))
+
+
 def test_attention_matches_a_dense_reference_over_dequantized_kv():
     """Decode output = softmax(q·K̂ᵀ/√D)·V̂ with K̂, V̂ the dequantized cache rotated back; prefill chunk is exact."""
     layer = make_layer(sink_tokens=2, recent_tokens=3, flush_tokens=2)

@@ -9,6 +9,8 @@ from oscar_hf.config import OscarConfig
 
 NON_DEFAULT = dict(
     bits=4,
+    key_bits=2,
+    key_bits_layers=[0, 3],
     group_size=32,
     sink_tokens=4,
     recent_tokens=128,
@@ -27,6 +29,8 @@ PER_CHANNEL = dict(key_quantization="per-channel", k_clip=1.0, centering=False)
 def test_defaults_match_the_spec():
     assert OscarConfig().to_dict() == dict(
         bits=2,
+        key_bits=None,
+        key_bits_layers=None,
         group_size=None,
         sink_tokens=64,
         recent_tokens=256,
@@ -80,6 +84,13 @@ def test_scale_dtype_accepts_torch_dtypes(dtype, name):
         pytest.param(dict(backend="cuda"), "backend", id="backend-cuda"),
         pytest.param(dict(centering="yes"), "centering", id="centering-str"),
         pytest.param(dict(quantizer="lloyd-max", bits=4), "quantizer", id="lloyd-max-bits-4"),
+        pytest.param(dict(quantizer="lloyd-max", key_bits=4), "quantizer", id="lloyd-max-key-bits-4"),
+        pytest.param(dict(key_bits=3), "key_bits", id="key_bits-3"),
+        pytest.param(dict(key_bits=4.0), "key_bits", id="key_bits-4.0"),
+        pytest.param(dict(key_bits_layers=[1, 2]), "key_bits_layers", id="key_bits_layers-without-key_bits"),
+        pytest.param(dict(key_bits=4, key_bits_layers=[1, 1]), "key_bits_layers", id="key_bits_layers-repeated"),
+        pytest.param(dict(key_bits=4, key_bits_layers=[-1]), "key_bits_layers", id="key_bits_layers-negative"),
+        pytest.param(dict(key_bits=4, key_bits_layers="1-3"), "key_bits_layers", id="key_bits_layers-str"),
         pytest.param(dict(key_quantization="per-head"), "key_quantization", id="key_quantization-per-head"),
         pytest.param(dict(key_quantization="per-channel", centering=False), "k_clip", id="per-channel-clipped"),
         pytest.param({**PER_CHANNEL, "quantizer": "lloyd-max"}, "quantizer", id="per-channel-lloyd-max"),
@@ -133,6 +144,9 @@ def test_group_larger_than_head_dim_raises():
         pytest.param(dict(group_size=128), 300, 16.0, id="g128-fp16-all-window"),
         pytest.param(dict(group_size=64), None, 2.5, id="g64-fp16-history"),
         pytest.param(dict(bits=4, group_size=128), None, 4.25, id="int4-g128-history"),
+        pytest.param(dict(key_bits=4, group_size=128), None, 3.25, id="k4v2-g128-history"),
+        pytest.param(dict(key_bits=4, group_size=64), None, 3.5, id="k4v2-g64-history"),
+        pytest.param(dict(bits=4, key_bits=2, group_size=128), None, 3.25, id="k2v4-g128-history"),
         pytest.param(dict(group_size=128, scale_dtype="float32"), None, 2.5, id="g128-fp32-history"),
         pytest.param(dict(group_size=128, scale_dtype="bfloat16"), None, 2.25, id="g128-bf16-history"),
         # per-channel K: one fp16 scale and zero per channel and 32 tokens (0.5 bits); V per token and group
@@ -162,3 +176,15 @@ def test_per_channel_error_says_why():
     assert OscarConfig().centered_sides == ("key", "value") and OscarConfig(centering=False).centered_sides == ()
     assert OscarConfig(flush_tokens=16, **PER_CHANNEL).demotion_unit == 16
     assert OscarConfig(flush_tokens=16).demotion_unit == 1
+
+
+def test_key_bits_layers_resolve_per_layer():
+    config = OscarConfig(key_bits=4, key_bits_layers=[3, 1], group_size=128)
+    assert config.key_bits_layers == [1, 3]
+    assert config.for_layer(1).side_bits == {"key": 4, "value": 2} and config.for_layer(1).key_bits_layers is None
+    assert config.for_layer(2).side_bits == {"key": 2, "value": 2}
+    assert OscarConfig(key_bits=4).for_layer(2).side_bits == {"key": 4, "value": 2}  # no list: every layer
+    # K at 4 bits in 2 of 4 layers: 3 bits on average, plus 0.25 for the scale and zero
+    assert config.bits_per_element(128, num_layers=4) == pytest.approx(2.75)
+    with pytest.raises(ValueError, match="num_layers"):
+        config.bits_per_element(128)

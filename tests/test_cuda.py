@@ -31,9 +31,10 @@ def test_token_identical_when_windows_cover_sequence_on_cuda(arch, mode):
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("key_bits", [None, 4], ids=["k2", "k4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_triton_and_torch_backends_agree_with_int2_history(arch, dtype):
-    """One decode step over a quantized history: logits of both backends agree closely."""
+def test_triton_and_torch_backends_agree_with_int2_history(arch, dtype, key_bits):
+    """One decode step over a quantized history (2-bit V, 2- or 4-bit K): logits of both backends agree closely."""
     model = cuda_model(arch, dtype=dtype)
     ids = torch.randint(3, 90, (2, 70), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     mask = torch.ones_like(ids)
@@ -41,7 +42,8 @@ def test_triton_and_torch_backends_agree_with_int2_history(arch, dtype):
     logits = {}
     for backend in ("torch", "triton"):
         cache = OscarQuantizedCache.from_pretrained(
-            OscarRotations.hadamard(model.config), model=model, sink_tokens=4, recent_tokens=8, backend=backend
+            OscarRotations.hadamard(model.config), model=model, sink_tokens=4, recent_tokens=8, backend=backend,
+            key_bits=key_bits,
         )
         with torch.no_grad():
             out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
@@ -69,8 +71,9 @@ def test_quantized_generation_runs_on_cuda_with_every_mode():
         assert all(layer.n_history > 0 for layer in cache.layers)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_generate_compiles_with_cuda_graphs_around_a_static_cache(dtype):
+@pytest.mark.parametrize("dtype, key_bits", [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, 4)],
+                         ids=["fp32", "bf16", "bf16-k4"])
+def test_generate_compiles_with_cuda_graphs_around_a_static_cache(dtype, key_bits):
     """On CUDA, max_cache_len makes generate compile the model (reduce-overhead: CUDA graphs) around the cache.
     fp32: the same tokens as eager; bf16 (Triton kernels): the compiled run's logits track eager's closely."""
     from torch._dynamo.utils import counters
@@ -82,7 +85,8 @@ def test_generate_compiles_with_cuda_graphs_around_a_static_cache(dtype):
 
     def generate(**kwargs):
         cache = OscarQuantizedCache.from_pretrained(
-            OscarRotations.hadamard(model.config), model=model, sink_tokens=4, recent_tokens=8, **kwargs
+            OscarRotations.hadamard(model.config), model=model, sink_tokens=4, recent_tokens=8, key_bits=key_bits,
+            **kwargs
         )
         return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0,
                               past_key_values=cache, output_logits=True, return_dict_in_generate=True)

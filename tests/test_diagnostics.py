@@ -9,7 +9,7 @@ import torch
 from conftest import VOCAB, make_model
 
 from oscar_hf import OscarConfig, OscarRotations, diagnose
-from oscar_hf.diagnostics import METRICS, DiagnosticsObserver
+from oscar_hf.diagnostics import METRICS, DiagnosticsObserver, most_sensitive_layers
 from oscar_hf.quantizer import dequantize, dequantize_per_channel, quantize, quantize_per_channel
 
 B, H, G, T, D = 1, 2, 2, 128, 64  # batch, KV heads, query heads per KV head, tokens, head_dim
@@ -98,3 +98,14 @@ def test_diagnose_per_channel_on_a_tiny_model():
     for row_t, row_c in zip(token, channel):
         assert row_c["tokens"] == 128 and all(math.isfinite(row_c[name]) for name in METRICS)
         assert row_c["k_error"] != row_t["k_error"] and row_c["v_error"] == row_t["v_error"]
+
+
+def test_most_sensitive_layers_ranks_by_the_metric():
+    rows = [{"layer": i, "score_kl": kl, "k_error": 1.0 - kl} for i, kl in enumerate([0.2, 0.9, 0.1, 0.5])]
+    assert most_sensitive_layers(rows, 0.5) == [1, 3]
+    assert most_sensitive_layers(rows, 0.5, metric="k_error") == [0, 2]
+    assert most_sensitive_layers(rows, 0.0) == [] and most_sensitive_layers(rows, 1.0) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="fraction"):
+        most_sensitive_layers(rows, 1.5)
+    with pytest.raises(ValueError, match="output_error"):
+        most_sensitive_layers(rows, 0.5, metric="output_error")

@@ -14,9 +14,9 @@ from oscar_hf import OscarConfig, OscarRotations
 from oscar_hf.cli import main
 from oscar_hf.evaluation import METHODS, make_cache
 from oscar_hf.evaluation.gsm8k import evaluate_gsm8k, extract_answer, load_gsm8k
-from oscar_hf.evaluation.niah import NEEDLE, evaluate_niah, needle_prompt
+from oscar_hf.evaluation.niah import NEEDLE, evaluate_niah, misses_where_reference_found, needle_prompt
 from oscar_hf.evaluation.perplexity import evaluate_perplexity, text_segments
-from oscar_hf.evaluation.runner import run_eval
+from oscar_hf.evaluation.runner import format_results, run_eval
 
 CHARS = string.ascii_letters + string.digits + " .,?!'\n:-"
 TEXT = (
@@ -51,6 +51,8 @@ def test_methods_registry_presets():
         "kivi-2",
         "oscar",
         "oscar-uncentered",
+        "oscar-k4",
+        "oscar-k4-half",
         "oscar-channel-k",
         "oscar-lloyd-max",
     ]
@@ -89,6 +91,21 @@ def test_methods_registry_presets():
     assert cfg.centered_sides == ("value",) and cfg.bits_per_element(64) == pytest.approx(2.5)
     with pytest.raises(ValueError, match="calibrated rotations"):
         make_cache("oscar", model)
+    calibrated.config = OscarConfig(key_bits=4)  # a bundle recommending 4-bit keys: the 2-bit presets stay 2-bit
+    assert make_cache("oscar", model, calibrated).config.side_bits == {"key": 2, "value": 2}
+    assert make_cache("quarot-int2", model, calibrated).config.side_bits == {"key": 2, "value": 2}
+    k4 = make_cache("oscar-k4", model, calibrated).config
+    assert k4.side_bits == {"key": 4, "value": 2} and k4.bits_per_element(64) == pytest.approx(3.5)
+    with pytest.raises(ValueError, match="diagnostics"):
+        make_cache("oscar-k4-half", model, calibrated)
+    assert not METHODS["oscar-k4-half"].runs_with(calibrated) and METHODS["oscar-k4"].runs_with(calibrated)
+    assert not METHODS["oscar-channel-k"].runs_with(None) and METHODS["quarot-int2"].runs_with(None)
+    calibrated.diagnostics = [{"layer": 0, "score_kl": 0.1}, {"layer": 1, "score_kl": 0.3}]
+    half = make_cache("oscar-k4-half", model, calibrated)
+    assert half.config.key_bits_layers == [1]
+    assert [layer.config.side_bits["key"] for layer in half.layers] == [2, 4]
+    calibrated.config = OscarConfig(key_bits=4, key_bits_layers=[0])  # the 2-bit presets drop the layer list too
+    assert make_cache("oscar", model, calibrated).config.key_bits_layers is None
 
 
 def test_perplexity_puts_the_cache_in_the_loop():
@@ -159,9 +176,24 @@ def test_needle_prompt_and_niah_rows():
     text = tok.decode(ids[0])
     assert NEEDLE.format(number=4242424) in text and 250 < ids.shape[1] < 360
     model = make_model("llama-mha-d64")
-    rows = evaluate_niah(model, tok, TEXT, [200], [0.0, 1.0], ["bf16", "quarot-int2"])
-    assert len(rows) == 4 and {r["metric"] for r in rows} == {"needle_found"}
+    rows = evaluate_niah(model, tok, TEXT, [200], [0.0, 1.0], ["bf16", "quarot-int2"], needles=2)
+    assert len(rows) == 8 and {r["metric"] for r in rows} == {"needle_found"}
     assert all(r["value"] in (0.0, 1.0) for r in rows)
+    assert sorted((r["depth"], r["needle"]) for r in rows if r["method"] == "bf16") == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    with pytest.raises(ValueError, match="needles"):
+        evaluate_niah(model, tok, TEXT, [200], [0.0], ["bf16"], needles=0)
+
+
+def test_niah_misses_count_only_needles_the_reference_found():
+    def row(method, depth, needle, value):
+        return dict(task="niah", method=method, target_length=100, depth=depth, needle=needle, value=value)
+
+    rows = [row("bf16", 0.0, 0, 1.0), row("bf16", 0.5, 0, 0.0), row("bf16", 0.5, 1, 1.0),
+            row("a", 0.0, 0, 0.0), row("a", 0.5, 0, 0.0), row("a", 0.5, 1, 1.0),
+            row("b", 0.0, 0, 1.0), row("b", 0.5, 0, 1.0), row("b", 0.5, 1, 0.0)]
+    assert misses_where_reference_found(rows) == {"a": 1, "b": 1}
+    assert "missed where bf16 found" in format_results([{**r, "metric": "needle_found", "context": 100,
+                                                          "bits_per_element": 2.0} for r in rows])
 
 
 def test_gsm8k_loading_and_scoring(tmp_path):
@@ -209,6 +241,8 @@ def test_run_eval_writes_results_and_plots(tmp_path):
         "metric",
         "value",
         "bits_per_element",
+        "depth",
+        "needle",
     }
     assert {r["model"] for r in written} == {"tiny-llama"}
     assert (tmp_path / "niah.png").stat().st_size > 0 and (tmp_path / "perplexity.png").stat().st_size > 0

@@ -66,6 +66,17 @@ def test_write_kernel_equals_quantizer(d, bits, group, k_clip, v_clip, x_dtype, 
     assert_same_rows(got_v, quantize(value, clip=v_clip, **kwargs))
 
 
+@pytest.mark.parametrize("key_bits, bits, group", [(4, 2, None), (2, 4, 64)], ids=["k4v2", "k2v4-g64"])
+def test_write_kernel_key_bits(key_bits, bits, group):
+    """K and V at different bits in one launch: each side equals the quantizer at its own bits."""
+    key, value = randn(2, 3, 2, 29, 128, seed=key_bits).to(torch.bfloat16).unbind(0)
+    kwargs = dict(group_size=group, scale_dtype=torch.float16)
+    got_k, got_v = quantize_pack_kv(key, value, bits=bits, key_bits=key_bits, k_clip=0.96, v_clip=0.92, **kwargs)
+    assert got_k.codes.shape[-1] == 128 * key_bits // 8 and got_v.codes.shape[-1] == 128 * bits // 8
+    assert_same_rows(got_k, quantize(key, bits=key_bits, clip=0.96, **kwargs))
+    assert_same_rows(got_v, quantize(value, bits=bits, clip=0.92, **kwargs))
+
+
 def test_write_kernel_ties_strides_and_edge_rows():
     """Rows full of ties (values on a 1/4 grid), constant rows, a strided [B, H, n, D] view, zero rows."""
     ties = (randn(64, 128, seed=1) * 4).round() / 4
@@ -248,6 +259,17 @@ def test_decode_groups_and_int4(group, bits):
     check_decode(2, 2, 4, 128, 90, torch.float16, group_size=group, bits=bits, pads=(0, 6))
 
 
+@pytest.mark.parametrize(
+    "key_bits, bits, dim, group, dtype",
+    [(4, 2, 128, None, torch.bfloat16), (4, 2, 64, None, torch.float16), (2, 4, 128, 64, torch.float16)],
+    ids=lambda v: DTYPE_IDS.get(v, str(v)),
+)
+def test_decode_key_bits(key_bits, bits, dim, group, dtype):
+    """K and V codes of different widths (K's own sub-tiles for q, V's for the output), centered and not."""
+    check_decode(2, 2, 4, dim, 150, dtype, key_bits=key_bits, bits=bits, group_size=group, pads=(0, 5))
+    check_decode(1, 2, 2, dim, 70, dtype, key_bits=key_bits, bits=bits, group_size=group, centering=False)
+
+
 def test_attend_dispatches_everything_else_to_naive():
     """More query tokens than the recent window holds (a prefill chunk: naive.attend over the dequantize kernel's
     buffer), fp32 models and a newest token already quantized (recent_tokens=0) run naive."""
@@ -268,16 +290,16 @@ def test_attend_dispatches_everything_else_to_naive():
 
 
 @pytest.mark.parametrize(
-    "dtype, bits, group, centering",
-    [(torch.float16, 2, None, True), (torch.float16, 4, 32, False), (torch.float32, 2, 64, True),
-     (torch.bfloat16, 2, None, True)],
+    "dtype, bits, group, centering, key_bits",
+    [(torch.float16, 2, None, True, None), (torch.float16, 4, 32, False, None), (torch.float32, 2, 64, True, None),
+     (torch.bfloat16, 2, None, True, None), (torch.float16, 2, None, True, 4)],
     ids=lambda v: DTYPE_IDS.get(v, str(v)),
 )
-def test_dequantize_kernel_equals_materialize(dtype, bits, group, centering):
+def test_dequantize_kernel_equals_materialize(dtype, bits, group, centering, key_bits):
     """Every split point of sink | history | recent; a recent window rolled by graph steps. fp16/fp32 bit-identical;
     bf16 within one ulp (TRITON_INTERPRET=1 rounds fp32 → bf16 toward zero; the GPU rounds to nearest even)."""
     cfg = OscarConfig(sink_tokens=8, recent_tokens=16, flush_tokens=4, centering=centering, bits=bits,
-                      group_size=group, backend="torch")
+                      key_bits=key_bits, group_size=group, backend="torch")
     layer = OscarLayer(cfg, torch.eye(128), torch.eye(128))
     kv = randn(2, 2, 3, 203, 128, seed=11).to(dtype)
     layer.update(kv[0], kv[1])
@@ -407,8 +429,9 @@ def static_and_host_layers(dim, *, max_len=120, **config):
     "prompt, config",
     [(3, dict(sink_tokens=4, recent_tokens=5, flush_tokens=3)),  # sink filled by steps; means set by a step
      (40, dict(sink_tokens=4, recent_tokens=8, flush_tokens=4, k_clip=1.0, v_clip=1.0, centering=False)),
-     (30, dict(sink_tokens=0, recent_tokens=6, flush_tokens=1, group_size=32))],
-    ids=["sink-first", "uncentered-unclipped", "no-sink-flush-1"],
+     (30, dict(sink_tokens=0, recent_tokens=6, flush_tokens=1, group_size=32)),
+     (20, dict(sink_tokens=2, recent_tokens=6, flush_tokens=2, key_bits=4, centering=False))],
+    ids=["sink-first", "uncentered-unclipped", "no-sink-flush-1", "4-bit-keys"],
 )
 def test_graph_step_stores_what_the_host_path_stores(prompt, config):
     """Steps through the append operator (ring buffer, device counts) leave the same sequence as the host path:

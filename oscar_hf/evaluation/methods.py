@@ -13,10 +13,13 @@ from transformers import DynamicCache
 
 from ..cache import OscarQuantizedCache
 from ..config import OscarConfig
+from ..diagnostics import most_sensitive_layers
 from ..rotations import OscarRotations
 
 NO_CLIP = {"k_clip": 1.0, "v_clip": 1.0}
-AS_PUBLISHED = {"quantizer": "uniform", "centering": False, **NO_CLIP}  # the baselines, without our additions
+# the baselines, without our additions; K as many bits as V whatever the calibrated bundle's config says
+AS_PUBLISHED = {"quantizer": "uniform", "centering": False, "key_bits": None, "key_bits_layers": None, **NO_CLIP}
+INT2 = {"bits": 2, "key_bits": None, "key_bits_layers": None}
 
 
 @dataclass(frozen=True)
@@ -25,12 +28,27 @@ class Method:
     description: str
     rotations: str | None
     config: dict = field(default_factory=dict)
+    key_bits_fraction: float | None = None  # key_bits for this fraction of the layers, the most sensitive ones
 
-    def oscar_config(self, base: OscarConfig | None, head_dim: int) -> OscarConfig:
-        """The method's OscarConfig on top of ``base`` (the calibrated bundle's or the defaults)."""
+    def runs_with(self, calibrated: OscarRotations | None) -> bool:
+        """Whether the method can run with this calibrated bundle (or None): calibrated rotations need one, and
+        ``key_bits_fraction`` its diagnostics."""
+        if self.rotations is None or not self.rotations.startswith("calibrated"):
+            return True
+        return calibrated is not None and (self.key_bits_fraction is None or bool(calibrated.diagnostics))
+
+    def oscar_config(self, base: OscarConfig | None, head_dim: int, diagnostics: list[dict] | None = None
+                     ) -> OscarConfig:
+        """The method's OscarConfig on top of ``base`` (the calibrated bundle's or the defaults); ``diagnostics``
+        (the bundle's) rank the layers for ``key_bits_fraction``."""
         overrides = dict(self.config)
         if overrides.get("group_size") == "min(128, head_dim)":
             overrides["group_size"] = min(128, head_dim)
+        if self.key_bits_fraction is not None:
+            if not diagnostics:
+                raise ValueError(f"method {self.name!r} ranks layers by the calibrated bundle's diagnostics, "
+                                 "and the bundle has none (calibrate with diagnostic_tokens > 0)")
+            overrides["key_bits_layers"] = most_sensitive_layers(diagnostics, self.key_bits_fraction)
         return (base or OscarConfig()).replace(**overrides)
 
 
@@ -80,13 +98,29 @@ METHODS: dict[str, Method] = {
             "oscar",
             "INT2 per token, calibrated rotations, clipping, centering",
             "calibrated",
-            {"quantizer": "uniform", "centering": True},
+            {"quantizer": "uniform", "centering": True, **INT2},
         ),
         Method(
             "oscar-uncentered",
             "as oscar, without centering (the published method)",
             "calibrated",
-            {"quantizer": "uniform", "centering": False},
+            {"quantizer": "uniform", "centering": False, **INT2},
+        ),
+        # SmolLM2-135M (eval/results/smollm2-135m/niah-investigation): the 2-bit K history blurs which needle digit
+        # a retrieval head points at; exact V fixes nothing, more bits on K fix every cell.
+        Method(
+            "oscar-k4",
+            "as oscar, with 4-bit K (2-bit V)",
+            "calibrated",
+            {"quantizer": "uniform", "centering": True, "bits": 2, "key_bits": 4, "key_bits_layers": None},
+        ),
+        Method(
+            "oscar-k4-half",
+            "as oscar, with 4-bit K in the half of the layers where 2-bit K changes attention most (the bundle's "
+            "calibration score KL)",
+            "calibrated",
+            {"quantizer": "uniform", "centering": True, "bits": 2, "key_bits": 4},
+            key_bits_fraction=0.5,
         ),
         # Gemma-3-270M (eval/results/gemma3-270m/investigation): 92% of OSCAR's KL comes from K, whose outlier
         # channels a per-token grid cannot hold; unrotated per-channel K (KIVI's layout, 64-token groups) fixes it.
@@ -102,13 +136,14 @@ METHODS: dict[str, Method] = {
                 "k_clip": 1.0,
                 "quantizer": "uniform",
                 "centering": True,
+                **INT2,
             },
         ),
         Method(
             "oscar-lloyd-max",
             "as oscar, with Lloyd-Max levels",
             "calibrated",
-            {"quantizer": "lloyd-max", "centering": True},
+            {"quantizer": "lloyd-max", "centering": True, **INT2},
         ),
     )
 }
@@ -133,5 +168,6 @@ def make_cache(method: str | Method, model, calibrated: OscarRotations | None = 
         rotations = getattr(OscarRotations, method.rotations)(model.config)
     base = calibrated.config if calibrated is not None else None
     head_dim = rotations.head_dim
-    config = method.oscar_config(base, head_dim).replace(**overrides)
+    diagnostics = calibrated.diagnostics if calibrated is not None else None
+    config = method.oscar_config(base, head_dim, diagnostics).replace(**overrides)
     return OscarQuantizedCache.from_pretrained(rotations, model=model, config=config)

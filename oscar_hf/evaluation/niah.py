@@ -37,14 +37,20 @@ def evaluate_niah(
     methods: list[str],
     calibrated=None,
     seed: int = 0,
+    needles: int = 1,
     progress=None,
 ) -> list[dict]:
-    """Rows with metric "needle_found" (0 or 1) per method, length (context) and depth."""
+    """Rows with metric "needle_found" (0 or 1) per method, length (context), depth and needle (``needles``
+    different numbers per cell, drawn from ``random.Random(seed)``; the first is the same for any ``needles``)."""
+    if needles < 1:
+        raise ValueError(f"needles must be >= 1; got {needles}")
     rng = random.Random(seed)
+    numbers = {(length, depth): [rng.randrange(1_000_000, 10_000_000)] for length in lengths for depth in depths}
+    for cell in numbers.values():  # later needles after every cell's first: a 1-needle grid is a prefix
+        cell += [rng.randrange(1_000_000, 10_000_000) for _ in range(needles - 1)]
     rows = []
-    for length in lengths:
-        for depth in depths:
-            number = rng.randrange(1_000_000, 10_000_000)
+    for (length, depth), cell in numbers.items():
+        for needle, number in enumerate(cell):
             ids = needle_prompt(tokenizer, text, length, depth, number).to(model.device)
             for name in methods:
                 cache = make_cache(name, model, calibrated)
@@ -58,7 +64,6 @@ def evaluate_niah(
                 )
                 answer = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
                 found = float(str(number) in answer.replace(",", ""))
-                bits = stored_bits(cache, model)
                 rows.append(
                     dict(
                         method=name,
@@ -66,18 +71,33 @@ def evaluate_niah(
                         context=ids.shape[1],
                         metric="needle_found",
                         value=found,
-                        bits_per_element=bits,
+                        bits_per_element=stored_bits(cache, model),
                         depth=depth,
                         target_length=length,
+                        needle=needle,
                     )
                 )
                 if progress:
-                    progress(f"niah length {length} depth {depth:.2f} {name}: {'found' if found else 'missed'}")
+                    state = "found" if found else f"missed ({answer.strip()[:60]!r})"
+                    progress(f"niah length {length} depth {depth:.2f} needle {needle} {name}: {state}")
     return rows
 
 
+def misses_where_reference_found(rows: list[dict], reference: str = "bf16") -> dict[str, int]:
+    """Per method, the needles (length, depth, needle) that ``reference`` found and the method missed."""
+    rows = [r for r in rows if r["task"] == "niah"]
+    found = {(r["target_length"], r["depth"], r["needle"]) for r in rows if r["method"] == reference and r["value"]}
+    misses: dict[str, int] = {}
+    for r in rows:
+        if r["method"] != reference:
+            key = (r["target_length"], r["depth"], r["needle"])
+            misses[r["method"]] = misses.get(r["method"], 0) + int(key in found and not r["value"])
+    return misses
+
+
 def plot_niah(rows: list[dict], path) -> None:
-    """One heatmap (depth × length, 1 = needle found) per method, side by side, saved as PNG."""
+    """One heatmap (depth × length, the fraction of the cell's needles found) per method, side by side, saved as
+    PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -89,10 +109,13 @@ def plot_niah(rows: list[dict], path) -> None:
     depths = sorted({r["depth"] for r in rows})
     fig, axes = plt.subplots(1, len(methods), figsize=(2.2 * len(methods) + 1, 3), squeeze=False)
     for ax, method in zip(axes[0], methods):
-        grid = torch.full((len(depths), len(lengths)), float("nan"))
+        found, total = torch.zeros(len(depths), len(lengths)), torch.zeros(len(depths), len(lengths))
         for r in rows:
             if r["method"] == method:
-                grid[depths.index(r["depth"]), lengths.index(r["target_length"])] = r["value"]
+                cell = depths.index(r["depth"]), lengths.index(r["target_length"])
+                found[cell] += r["value"]
+                total[cell] += 1
+        grid = found / total  # (NaN where a cell was not run)
         ax.imshow(grid.numpy(), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         ax.set_title(method, fontsize=9)
         ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" if n >= 1024 else str(n) for n in lengths], fontsize=7)

@@ -9,11 +9,11 @@ import torch
 
 from ..tokens import bos_prefix
 from .gsm8k import evaluate_gsm8k, load_gsm8k
-from .niah import evaluate_niah, plot_niah
+from .niah import evaluate_niah, misses_where_reference_found, plot_niah
 from .perplexity import evaluate_perplexity, text_segments
 
 TASKS = ("perplexity", "niah", "gsm8k")
-COLUMNS = ("model", "method", "task", "context", "metric", "value", "bits_per_element")
+COLUMNS = ("model", "method", "task", "context", "metric", "value", "bits_per_element", "depth", "needle")
 
 
 def run_eval(
@@ -31,10 +31,12 @@ def run_eval(
     segments: int = 8,
     niah_lengths=(1024, 2048),
     niah_depths=(0.0, 0.25, 0.5, 0.75, 1.0),
+    niah_needles: int = 1,
     gsm8k_path: str | None = None,
     gsm8k_limit: int | None = None,
 ) -> list[dict]:
-    """Evaluate ``methods`` on ``tasks``; returns the rows and writes ``out_dir/results.csv`` and PNG plots."""
+    """Evaluate ``methods`` on ``tasks``; returns the rows and writes ``out_dir/results.csv`` (NIAH rows also give
+    the needle's depth and index in its cell) and PNG plots."""
     unknown = sorted(set(tasks) - set(TASKS))
     if unknown:
         raise ValueError(f"unknown task(s) {unknown}; known: {list(TASKS)}")
@@ -63,7 +65,8 @@ def run_eval(
         ]
     if "niah" in tasks:
         rows += evaluate_niah(
-            model, tokenizer, text, list(niah_lengths), list(niah_depths), methods, calibrated, progress=print
+            model, tokenizer, text, list(niah_lengths), list(niah_depths), methods, calibrated, needles=niah_needles,
+            progress=print,
         )
         plot_niah(rows, out / "niah.png")
     if "gsm8k" in tasks:
@@ -87,7 +90,8 @@ def write_csv(rows: list[dict], path: Path) -> None:
 
 
 def format_results(rows: list[dict]) -> str:
-    """Method × (task, metric, context) table, NIAH as the fraction of cells found, then bits per element."""
+    """Method × (task, metric, context) table, NIAH as the fraction of needles found (and, with bf16 in the run,
+    the needles bf16 found that the method missed), then bits per element."""
     summary: dict[tuple, dict[str, list[float]]] = {}
     bits: dict[str, float] = {}
     for r in rows:
@@ -99,6 +103,10 @@ def format_results(rows: list[dict]) -> str:
     for key, values in summary.items():
         cells = [f"{sum(values[m]) / len(values[m]):.4g}" if m in values else "-" for m in methods]
         lines.append(f"{' / '.join(map(str, key)):<34}" + "".join(f"{c:>17}" for c in cells))
+    if any(r["task"] == "niah" and r["method"] == "bf16" for r in rows):
+        misses = misses_where_reference_found(rows)
+        cells = [str(misses[m]) if m in misses else "-" for m in methods]
+        lines.append(f"{'niah / missed where bf16 found':<34}" + "".join(f"{c:>17}" for c in cells))
     lines.append(f"{'bits per element (last run)':<34}" + "".join(f"{bits[m]:>17.3f}" for m in methods))
     return "\n".join(lines)
 

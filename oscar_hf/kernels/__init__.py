@@ -18,20 +18,24 @@ def quantize_kv(
     *,
     k_clip: float,
     v_clip: float,
+    bits: int = 2,
+    key_bits: int | None = None,
     key_token_group: int | None = None,
     **kwargs,
 ) -> tuple[QuantizedRows, QuantizedRows]:
-    """The torch writer: ``quantizer.quantize`` on K and on V (same keyword arguments otherwise).
+    """The torch writer: ``quantizer.quantize`` on K (``key_bits``, default ``bits``) and on V (``bits``), with
+    the same keyword arguments otherwise.
 
     With ``key_token_group`` G (per-channel K, which the Triton write kernel does not do), K ``[..., N, D]``
     (N a multiple of G) goes through ``quantizer.quantize_per_channel`` instead, unclipped: OscarConfig
     requires ``k_clip=1.0`` and the uniform quantizer with per-channel K.
     """
-    values = quantize(value, clip=v_clip, **kwargs)
+    key_bits = bits if key_bits is None else key_bits
+    values = quantize(value, clip=v_clip, bits=bits, **kwargs)
     if key_token_group is None:
-        return quantize(key, clip=k_clip, **kwargs), values
-    bits, scale_dtype = kwargs["bits"], kwargs["scale_dtype"]
-    return quantize_per_channel(key, token_group=key_token_group, bits=bits, scale_dtype=scale_dtype), values
+        return quantize(key, clip=k_clip, bits=key_bits, **kwargs), values
+    keys = quantize_per_channel(key, token_group=key_token_group, bits=key_bits, scale_dtype=kwargs["scale_dtype"])
+    return keys, values
 
 
 def on_device_of(t: torch.Tensor):
@@ -85,10 +89,11 @@ def graph_step_supported(layer) -> bool:
 
     keys = layer.sink["key"]
     return triton_decode.layer_supports(layer, layer.dtype, layer.device) and triton_write.kernel_supports(
-        keys, layer.group_size, layer.config.quantizer, layer.config.bits
+        keys, layer.group_size, layer.config.quantizer, *layer.config.side_bits.values()
     )
 
 
 def write_backend(name: str, device: torch.device):
-    """The K/V writer ``(key, value, *, bits, group_size, k_clip, v_clip, scale_dtype, method)`` for ``name``."""
+    """The K/V writer ``(key, value, *, bits, key_bits, group_size, k_clip, v_clip, scale_dtype, method)`` for
+    ``name``."""
     return WRITE_BACKENDS[_resolve(name, device, WRITE_BACKENDS)]

@@ -58,12 +58,13 @@ def _append_token_kernel(
     k_ptr, v_ptr, stride_nb, stride_nh,
     sk_ptr, sv_ptr, stride_sb, stride_sh, stride_sn,
     rk_ptr, rv_ptr, stride_rb, stride_rh, stride_rn,
-    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, stride_cb, stride_ch, stride_cn, stride_zb, stride_zh, stride_zn,
+    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, stride_kcb, stride_kch, stride_kcn, stride_vcb, stride_vch,
+    stride_vcn, stride_zb, stride_zh, stride_zn,
     mu_k_ptr, mu_v_ptr, stride_mu_b, stride_mu_h,
     counts_ptr, flag_ptr, tiny, H, max_len,
     SINK: tl.constexpr, LIMIT: tl.constexpr, CAP: tl.constexpr, FLUSH: tl.constexpr, BLOCK_F: tl.constexpr,
     CENTERED: tl.constexpr, K_CLIP_INDEX: tl.constexpr, V_CLIP_INDEX: tl.constexpr, D: tl.constexpr,
-    GROUP: tl.constexpr, BITS: tl.constexpr, SCALE_DT: tl.constexpr,
+    GROUP: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, SCALE_DT: tl.constexpr,
 ):
     # grid (B·H,): one program per (batch, KV head)
     bh = tl.program_id(0)
@@ -86,15 +87,16 @@ def _append_token_kernel(
     else:
         ring = b * stride_rb + h * stride_rh
         if n_rec == LIMIT:
-            code_off = b * stride_cb + h * stride_ch
             meta_off = b * stride_zb + h * stride_zh
             mu_off = b * stride_mu_b + h * stride_mu_h
-            k_flag = _demote_side(rk_ptr + ring, stride_rn, start, kc_ptr + code_off, ks_ptr + meta_off,
-                                  kz_ptr + meta_off, stride_cn, stride_zn, n_hist, mu_k_ptr + mu_off, tiny,
-                                  CAP, FLUSH, BLOCK_F, CENTERED, K_CLIP_INDEX, D, GROUP, BITS, SCALE_DT)
-            v_flag = _demote_side(rv_ptr + ring, stride_rn, start, vc_ptr + code_off, vs_ptr + meta_off,
-                                  vz_ptr + meta_off, stride_cn, stride_zn, n_hist, mu_v_ptr + mu_off, tiny,
-                                  CAP, FLUSH, BLOCK_F, CENTERED, V_CLIP_INDEX, D, GROUP, BITS, SCALE_DT)
+            k_flag = _demote_side(rk_ptr + ring, stride_rn, start, kc_ptr + b * stride_kcb + h * stride_kch,
+                                  ks_ptr + meta_off, kz_ptr + meta_off, stride_kcn, stride_zn, n_hist,
+                                  mu_k_ptr + mu_off, tiny, CAP, FLUSH, BLOCK_F, CENTERED, K_CLIP_INDEX, D, GROUP,
+                                  K_BITS, SCALE_DT)
+            v_flag = _demote_side(rv_ptr + ring, stride_rn, start, vc_ptr + b * stride_vcb + h * stride_vch,
+                                  vs_ptr + meta_off, vz_ptr + meta_off, stride_vcn, stride_zn, n_hist,
+                                  mu_v_ptr + mu_off, tiny, CAP, FLUSH, BLOCK_F, CENTERED, V_CLIP_INDEX, D, GROUP,
+                                  V_BITS, SCALE_DT)
             flags = k_flag | (v_flag << 2)  # triton_write's layout: K's flags at bit 0, V's at bit 2
             tl.atomic_or(flag_ptr, flags, mask=flags != 0)
             start = start + FLUSH
@@ -119,7 +121,8 @@ def append_token(
     sink_tokens: int,
     limit: int,
     flush: int,
-    bits: int,
+    key_bits: int,
+    value_bits: int,
     group: int,
     k_clip_index: int,
     v_clip_index: int,
@@ -137,19 +140,19 @@ def append_token(
             key, value, key.stride(0), key.stride(1),
             sink_k, sink_v, *sink_k.stride()[:3],
             rec_k, rec_v, *rec_k.stride()[:3],
-            kc, ks, kz, vc, vs, vz, *kc.stride()[:3], *ks.stride()[:3],
+            kc, ks, kz, vc, vs, vz, *kc.stride()[:3], *vc.stride()[:3], *ks.stride()[:3],
             *mu,
             counts, flags, torch.finfo(ks.dtype).tiny, heads, max_len,
             SINK=sink_tokens, LIMIT=limit, CAP=rec_k.shape[2], FLUSH=flush,
             BLOCK_F=triton.next_power_of_2(flush), CENTERED=bool(center),
-            K_CLIP_INDEX=k_clip_index, V_CLIP_INDEX=v_clip_index, D=d, GROUP=group, BITS=bits,
+            K_CLIP_INDEX=k_clip_index, V_CLIP_INDEX=v_clip_index, D=d, GROUP=group, K_BITS=key_bits, V_BITS=value_bits,
             SCALE_DT=TL_DTYPES[ks.dtype], num_warps=4,
         )
 
 
 @append_token.register_fake
-def _(key, value, windows, history, center, counts, flags, max_len, sink_tokens, limit, flush, bits, group,
-      k_clip_index, v_clip_index):
+def _(key, value, windows, history, center, counts, flags, max_len, sink_tokens, limit, flush, key_bits, value_bits,
+      group, k_clip_index, v_clip_index):
     return None
 
 
@@ -173,7 +176,8 @@ def append(layer, key: torch.Tensor, value: torch.Tensor) -> None:
     d = key.shape[-1]
     args = (layer.max_cache_len, cfg.sink_tokens, layer.recent_limit, cfg.flush_tokens)
     torch.ops.oscar_hf.append_token(
-        key, value, windows, history, center, layer.counts, layer.flags, *args, cfg.bits, layer.group_size,
+        key, value, windows, history, center, layer.counts, layer.flags, *args, *cfg.side_bits.values(),
+        layer.group_size,
         kernel_clip_index(cfg.k_clip, d), kernel_clip_index(cfg.v_clip, d),
     )
     advance_counts(layer.counts, *args, windows[2].shape[2])

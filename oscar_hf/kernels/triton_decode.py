@@ -14,11 +14,11 @@ programs per SM; sink/recent chunks (model dtype) are two tiles each and come fi
 
 History tiles. Byte ``j`` of a row holds channels ``j + i·W`` (``W = D·bits/8``, ``i < 8/bits``), so the codes are
 used as ``8/bits`` channel sub-tiles of width W, each the byte tile shifted by ``i·bits`` and masked: q is split the
-same way (``8/bits`` dots with K = W, accumulated) and so is the output (``8/bits`` accumulators); nothing is
-joined or permuted. Codes become dot operands without an int-to-float conversion: ``code | magic`` read as bf16
-(fp16) is ``M + code`` with M = 128 (1024). With ``fast_unpack`` one inline-PTX block turns a 32-bit word of 4
-bytes into two bf16x2/fp16x2 registers (shift, and, two ``prmt``: 1 instruction per code). Scale and zero stay
-out of the element loop (per token and group):
+way K is (``8/bits`` dots with K = W, accumulated) and the output the way V is (``8/bits`` accumulators; K and V
+may have different bits); nothing is joined or permuted. Codes become dot operands without an int-to-float
+conversion: ``code | magic`` read as bf16 (fp16) is ``M + code`` with M = 128 (1024). With ``fast_unpack`` one
+inline-PTX block turns a 32-bit word of 4 bytes into two bf16x2/fp16x2 registers (shift, and, two ``prmt``: 1
+instruction per code). Scale and zero stay out of the element loop (per token and group):
 
 * K: ``logit = s·(q·(M + c)) + (z - M·s)·Σq``;
 * V: the tensor cores accumulate ``(p·s)·(M + c)`` with ``p·s`` rounded to the dot dtype, and
@@ -138,15 +138,15 @@ def _meta(ks, kz, vs, vz, n, live, stride_sn, NG: tl.constexpr):
 
 @triton.jit
 def _attend_codes(
-    qts, lo, hi, pos0, kc, ks, kz, vc, vs, vz, stride_cn, stride_sn, mask_row, stride_mq, stride_mt, qk_scale, q_mu,
-    query, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
-    Q_LEN: tl.constexpr, DT: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr,
+    qts, lo, hi, pos0, kc, ks, kz, vc, vs, vz, stride_kcn, stride_vcn, stride_sn, mask_row, stride_mq, stride_mt,
+    qk_scale, q_mu, query, K_BITS: tl.constexpr, V_BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr, Q_LEN: tl.constexpr, DT: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr,
     FAST_UNPACK: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
-    """History tokens ``[lo, hi)``, tokens as the MMA rows. ``qts``: the ``8/bits`` channel sub-tiles of q,
-    transposed, ``[W, BLOCK_G]`` (query rows as columns); ``q_mu [BLOCK_G]``: added to every logit (``q·μ_K``
-    when centered, else 0); ``query [BLOCK_G]``: each column's query token, for the mask. Returns m, den
-    ``[BLOCK_G]`` and the output sub-tiles, transposed, ``[W, BLOCK_G]``.
+    """History tokens ``[lo, hi)``, tokens as the MMA rows. ``qts``: the ``8/K_BITS`` channel sub-tiles of q,
+    transposed, ``[W_K, BLOCK_G]`` (query rows as columns; ``W_K = D·K_BITS/8``); ``q_mu [BLOCK_G]``: added to every
+    logit (``q·μ_K`` when centered, else 0); ``query [BLOCK_G]``: each column's query token, for the mask. Returns
+    m, den ``[BLOCK_G]`` and the ``8/V_BITS`` output sub-tiles, transposed, ``[W_V, BLOCK_G]``.
 
     The codes are pipelined by Triton (cp.async, ``num_stages``); scale, zero and mask bytes are prefetched by hand
     one tile ahead (their rows end at a count read on the device, too unaligned for cp.async).
@@ -155,24 +155,27 @@ def _attend_codes(
     both dots run with the tokens on the tensor cores' big dimensions, so a GQA group pads to 8 columns (not 16
     rows), and one warp owns whole rows of tokens (its reductions over tokens stay in the warp).
     """
-    NSUB: tl.constexpr = 8 // BITS
-    W: tl.constexpr = qts[0].shape[0]
+    NSUB_V: tl.constexpr = 8 // V_BITS
+    W_K: tl.constexpr = qts[0].shape[0]
+    W_V: tl.constexpr = W_K * V_BITS // K_BITS
     BLOCK_G: tl.constexpr = qts[0].shape[1]
-    SUBS_PER_GROUP: tl.constexpr = GROUP // W
-    NG: tl.constexpr = NSUB // SUBS_PER_GROUP
-    CENTER: tl.constexpr = ((1 << BITS) - 1) / 2
-    byte = tl.arange(0, W)
+    K_SUBS: tl.constexpr = GROUP // W_K  # channel sub-tiles per group
+    V_SUBS: tl.constexpr = GROUP // W_V
+    NG: tl.constexpr = len(qts) // K_SUBS
+    CENTER: tl.constexpr = ((1 << V_BITS) - 1) / 2
+    k_byte = tl.arange(0, W_K)
+    v_byte = tl.arange(0, W_V)
     qsums = ()  # Σq over each group, for the zero term
     pzs = ()  # per group: Σ p·z - M·Σ p·s, added to the group's output rows at the end
     for g in tl.static_range(NG):
         total = tl.zeros([BLOCK_G], tl.float32)
-        for j in tl.static_range(SUBS_PER_GROUP):
-            total += tl.sum(qts[g * SUBS_PER_GROUP + j].to(tl.float32), axis=0)
+        for j in tl.static_range(K_SUBS):
+            total += tl.sum(qts[g * K_SUBS + j].to(tl.float32), axis=0)
         qsums = qsums + (total,)
         pzs = pzs + (tl.zeros([BLOCK_G], tl.float32),)
     accs = ()
-    for i in tl.static_range(NSUB):
-        accs = accs + (tl.zeros([W, BLOCK_G], tl.float32),)
+    for i in tl.static_range(NSUB_V):
+        accs = accs + (tl.zeros([W_V, BLOCK_G], tl.float32),)
     m = tl.full([BLOCK_G], -1.0e30, tl.float32)  # finite: a fully masked tile leaves alpha = 1 and p = 0
     den = tl.zeros([BLOCK_G], tl.float32)
     n_next = lo + tl.arange(0, BLOCK_N)
@@ -186,14 +189,14 @@ def _attend_codes(
         n_next = n + BLOCK_N
         meta_next = _meta(ks, kz, vs, vz, n_next, n_next < hi, stride_sn, NG)
         mask_next = _mask_tile(mask_row, stride_mq, stride_mt, pos0 + n_next, n_next < hi, query, HAS_MASK, Q_LEN)
-        kb = tl.load(kc + n[:, None] * stride_cn + byte[None, :], mask=inside[:, None], other=0)  # [BLOCK_N, W]
-        vb = tl.load(vc + n[None, :] * stride_cn + byte[:, None], mask=inside[None, :], other=0)  # [W, BLOCK_N]
+        kb = tl.load(kc + n[:, None] * stride_kcn + k_byte[None, :], mask=inside[:, None], other=0)  # [BLOCK_N, W_K]
+        vb = tl.load(vc + n[None, :] * stride_vcn + v_byte[:, None], mask=inside[None, :], other=0)  # [W_V, BLOCK_N]
         logits = tl.zeros([BLOCK_N, BLOCK_G], tl.float32) + q_mu[None, :]
         for g in tl.static_range(NG):
             qk = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
-            for j in tl.static_range(SUBS_PER_GROUP):  # (an index assigned in a runtime loop stops being constexpr)
-                kq = _codes(kb, (g * SUBS_PER_GROUP + j) * BITS, BITS, DT, MAGIC_BITS, FAST_UNPACK)
-                qk = _dot(kq, qts[g * SUBS_PER_GROUP + j], qk, FP32_DOT)
+            for j in tl.static_range(K_SUBS):  # (an index assigned in a runtime loop stops being constexpr)
+                kq = _codes(kb, (g * K_SUBS + j) * K_BITS, K_BITS, DT, MAGIC_BITS, FAST_UNPACK)
+                qk = _dot(kq, qts[g * K_SUBS + j], qk, FP32_DOT)
             s = meta[4 * g].to(tl.float32) * qk_scale
             z = meta[4 * g + 1].to(tl.float32) * qk_scale
             logits += qk * s[:, None] + (z - MAGIC_VALUE * s)[:, None] * qsums[g][None, :]
@@ -211,14 +214,14 @@ def _attend_codes(
             ps = (p * s[:, None]).to(DT, fp_downcast_rounding="rtne")  # the rounding then weighs |code - CENTER|
             corr = tl.sum(p * mid[:, None] - (MAGIC_VALUE + CENTER) * ps.to(tl.float32), axis=0)
             new_pzs = new_pzs + (pzs[g] * alpha + corr,)
-            for j in tl.static_range(SUBS_PER_GROUP):
-                vq = _codes(vb, (g * SUBS_PER_GROUP + j) * BITS, BITS, DT, MAGIC_BITS, FAST_UNPACK)
-                new_accs = new_accs + (_dot(vq, ps, accs[g * SUBS_PER_GROUP + j] * alpha[None, :], FP32_DOT),)
+            for j in tl.static_range(V_SUBS):
+                vq = _codes(vb, (g * V_SUBS + j) * V_BITS, V_BITS, DT, MAGIC_BITS, FAST_UNPACK)
+                new_accs = new_accs + (_dot(vq, ps, accs[g * V_SUBS + j] * alpha[None, :], FP32_DOT),)
         accs = new_accs
         pzs = new_pzs
     out = ()
-    for i in tl.static_range(NSUB):
-        out = out + (accs[i] + pzs[i // SUBS_PER_GROUP][None, :],)
+    for i in tl.static_range(NSUB_V):
+        out = out + (accs[i] + pzs[i // V_SUBS][None, :],)
     return m, den, out
 
 
@@ -263,28 +266,31 @@ def _decode_stage1_kernel(
     sk_ptr, sv_ptr, stride_sink_b, stride_sink_h, stride_sink_n,
     rk_ptr, rv_ptr, stride_rec_b, stride_rec_h, stride_rec_n,
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
-    stride_cb, stride_ch, stride_cn, stride_zb, stride_zh, stride_zn,
+    stride_kcb, stride_kch, stride_kcn, stride_vcb, stride_vch, stride_vcn, stride_zb, stride_zh, stride_zn,
     mu_k_ptr, mu_v_ptr, stride_mu_b, stride_mu_h,
     mask_ptr, stride_mb, stride_mq, stride_mt,
     part_o_ptr, part_lse_ptr,
     counts_ptr, hist_splits, sink_splits, total_splits, rec_cap,
     H, qk_scale,
-    G_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
-    GROUP: tl.constexpr,
+    G_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, K_BITS: tl.constexpr,
+    V_BITS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, HAS_MASK: tl.constexpr, Q_LEN: tl.constexpr,
     CENTERED: tl.constexpr, DT: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr,
     FAST_UNPACK: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
     """Query row ``c = r·Q_LEN + t`` of a program is query head ``h·G_Q + r`` at query token ``t``; its partial
     output and lse go to row ``(b·Hq + h·G_Q + r)·Q_LEN + t``."""
-    NSUB: tl.constexpr = 8 // BITS
-    W: tl.constexpr = D // NSUB
+    NSUB_K: tl.constexpr = 8 // K_BITS
+    W_K: tl.constexpr = D // NSUB_K
+    NSUB_V: tl.constexpr = 8 // V_BITS  # (also the window chunks' channel sub-tiles)
+    W: tl.constexpr = D // NSUB_V
     WIN_CHUNK: tl.constexpr = WINDOW_TILES * BLOCK_W
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     cols = tl.arange(0, W)
+    k_cols = tl.arange(0, W_K)
     q_head = q_ptr + b * stride_qb + h * G_Q * stride_qh
     mask_row = mask_ptr + b * stride_mb
     n_sink = tl.load(counts_ptr)
@@ -296,33 +302,33 @@ def _decode_stage1_kernel(
         keep = heads < G_Q * Q_LEN
         q_cols = q_head + (heads // Q_LEN) * stride_qh + (heads % Q_LEN) * stride_qt
         qts = ()
-        for i in tl.static_range(NSUB):
-            qts = qts + (tl.load(q_cols[None, :] + i * W + cols[:, None], mask=keep[None, :], other=0.0),)
+        for i in tl.static_range(NSUB_K):
+            qts = qts + (tl.load(q_cols[None, :] + i * W_K + k_cols[:, None], mask=keep[None, :], other=0.0),)
         q_mu = tl.zeros([BLOCK_G], tl.float32)  # q·μ_K, in logit units
         if CENTERED:
-            mu_k = mu_k_ptr + b * stride_mu_b + h * stride_mu_h + cols
-            for i in tl.static_range(NSUB):
-                q_mu += tl.sum(qts[i].to(tl.float32) * tl.load(mu_k + i * W)[:, None], axis=0)
+            mu_k = mu_k_ptr + b * stride_mu_b + h * stride_mu_h + k_cols
+            for i in tl.static_range(NSUB_K):
+                q_mu += tl.sum(qts[i].to(tl.float32) * tl.load(mu_k + i * W_K)[:, None], axis=0)
             q_mu = q_mu * qk_scale
         hist_chunk = tl.cdiv(tl.cdiv(n_hist, hist_splits), BLOCK_N) * BLOCK_N
         lo = (split - win_splits) * hist_chunk
-        code_off = b * stride_cb + h * stride_ch
         meta_off = b * stride_zb + h * stride_zh
         m, den, accs = _attend_codes(
             qts, lo, tl.minimum(lo + hist_chunk, n_hist), n_sink,
-            kc_ptr + code_off, ks_ptr + meta_off, kz_ptr + meta_off, vc_ptr + code_off, vs_ptr + meta_off,
-            vz_ptr + meta_off, stride_cn, stride_zn, mask_row, stride_mq, stride_mt, qk_scale, q_mu, heads % Q_LEN,
-            BITS, GROUP, BLOCK_N, HAS_MASK, Q_LEN, DT, MAGIC_BITS, MAGIC_VALUE, FAST_UNPACK, FP32_DOT,
+            kc_ptr + b * stride_kcb + h * stride_kch, ks_ptr + meta_off, kz_ptr + meta_off,
+            vc_ptr + b * stride_vcb + h * stride_vch, vs_ptr + meta_off, vz_ptr + meta_off, stride_kcn, stride_vcn,
+            stride_zn, mask_row, stride_mq, stride_mt, qk_scale, q_mu, heads % Q_LEN, K_BITS, V_BITS, GROUP, BLOCK_N,
+            HAS_MASK, Q_LEN, DT, MAGIC_BITS, MAGIC_VALUE, FAST_UNPACK, FP32_DOT,
         )
         if CENTERED:  # Σ p·μ_V, μ_V split into the output's channel sub-tiles
             mu_v = mu_v_ptr + b * stride_mu_b + h * stride_mu_h + cols
             new_accs = ()
-            for i in tl.static_range(NSUB):
+            for i in tl.static_range(NSUB_V):
                 new_accs = new_accs + (accs[i] + den[None, :] * tl.load(mu_v + i * W)[:, None],)
             accs = new_accs
         safe_den = tl.where(den > 0, den, 1.0)
         part = (bh * G_Q * Q_LEN + heads).to(tl.int64) * total_splits + split
-        for i in tl.static_range(NSUB):
+        for i in tl.static_range(NSUB_V):
             tl.store(part_o_ptr + part[None, :] * D + i * W + cols[:, None], accs[i] / safe_den[None, :],
                      mask=keep[None, :])
         tl.store(part_lse_ptr + part, tl.where(den > 0, m + tl.log2(safe_den), float("-inf")), mask=keep)
@@ -414,10 +420,12 @@ def layer_supports(layer, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether :func:`decode` can serve every decode step of an initialized OscarLayer for queries of ``dtype``."""
     d = layer.sink["key"].shape[-1]
     cfg = layer.config
+    bits = cfg.side_bits.values()
     return (
         dtype in MAGIC
         and d in WINDOW_BLOCK
-        and layer.group_size >= d // (8 // cfg.bits) >= 16  # a group spans whole channel sub-tiles of >= 16
+        and layer.group_size >= d * max(bits) // 8  # a group spans whole channel sub-tiles,
+        and d * min(bits) // 8 >= 16  # each at least one MMA K wide
         and cfg.recent_tokens >= 1  # the newest token is then always stored at full precision (it is read from there)
         and layer.dtype == dtype
         and cfg.key_quantization == "per-token"  # per-channel K scales (KIVI's layout): naive.attend
@@ -449,7 +457,8 @@ def plan(layer, batch: int, lengths: tuple[int, int, int] | None = None, config:
     sink, hist, recent = layer.sink, layer.history, layer.recent
     d = sink["key"].shape[-1]
     n_sink, n_hist, n_recent = lengths or (sink.capacity, hist.capacity, recent.capacity)
-    hist_bytes = 2 * (hist["key_codes"].shape[-1] + 2 * hist["key_scale"].shape[-1] * hist["key_scale"].element_size())
+    hist_bytes = sum(hist[f"{side}_codes"].shape[-1] + 2 * hist[f"{side}_scale"].shape[-1]
+                     * hist[f"{side}_scale"].element_size() for side in ("key", "value"))
     hist_chunk = plan_splits(batch * sink["key"].shape[1], n_hist, hist_bytes, config or default_config(batch, d),
                              _sm_count(sink["key"].device))
     win_chunk = WINDOW_TILES.value * WINDOW_BLOCK[d]
@@ -471,7 +480,8 @@ def _storage(t: torch.Tensor) -> torch.Tensor:
     return t if t.numel() else t.new_zeros(1)
 
 
-def _launch(query, windows, history, center, attention_mask, counts, scaling, bits, group, splits, config=None):
+def _launch(query, windows, history, center, attention_mask, counts, scaling, key_bits, value_bits, group, splits,
+            config=None):
     """Both stages over the tensors of :func:`layer_tensors`, the counts int32 ``[4]`` (sink, history, recent, ring
     start of the recent window) and the ``splits`` of :func:`plan`; see :func:`decode`."""
     batch, hq, q_len, d = query.shape
@@ -493,7 +503,7 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, bi
     out = torch.empty(batch, hq, q_len, d, dtype=query.dtype, device=query.device)
     scaling = d**-0.5 if scaling is None else scaling
     interpreting = triton.knobs.runtime.interpret
-    hist_strides = history[0].stride()[:3] + history[1].stride()[:3]
+    hist_strides = history[0].stride()[:3] + history[3].stride()[:3] + history[1].stride()[:3]
     mu = (*center, *center[0].stride()[:2]) if center else (mask, mask, 0, 0)
     with on_device_of(query):
         _decode_stage1_kernel[(batch * heads, total)](
@@ -507,7 +517,7 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, bi
             counts, hist_splits, sink_splits, total, max(rec_k.shape[2], 1),
             heads, scaling * LOG2E,
             G_Q=group_q, BLOCK_G=max(8, triton.next_power_of_2(rows)),
-            BLOCK_H=max(16, triton.next_power_of_2(rows)), D=d, BITS=bits,
+            BLOCK_H=max(16, triton.next_power_of_2(rows)), D=d, K_BITS=key_bits, V_BITS=value_bits,
             GROUP=group, BLOCK_N=cfg.block_n, BLOCK_W=WINDOW_BLOCK[d], HAS_MASK=attention_mask is not None,
             Q_LEN=q_len, CENTERED=bool(center),
             DT=dt, MAGIC_BITS=magic_bits, MAGIC_VALUE=magic_value, FAST_UNPACK=cfg.fast_unpack and not interpreting,
@@ -532,9 +542,10 @@ def decode(
     Args:
         query: rotated queries ``[B, Hq, q, D]``, bf16 or fp16; ``Hq = g·H`` (query head ``h·g + r`` reads
             KV head ``h``); D in 64, 128, 256; the q tokens are the layer's newest, still in its recent window.
-        layer: an OscarLayer (uses ``sink``, ``history``, ``recent``, ``center``, ``counts``, ``config.bits``,
-            ``group_size``); its windows are ``[B, H, cap, D]`` in the query dtype (the recent one a ring buffer
-            from ``counts[3]``), codes uint8 ``[B, H, cap, D·bits/8]``, scale and zero ``[B, H, cap, D/group]``.
+        layer: an OscarLayer (uses ``sink``, ``history``, ``recent``, ``center``, ``counts``,
+            ``config.side_bits``, ``group_size``); its windows are ``[B, H, cap, D]`` in the query dtype (the recent
+            one a ring buffer from ``counts[3]``), codes uint8 ``[B, H, cap, D·bits/8]`` (K's with its own bits),
+            scale and zero ``[B, H, cap, D/group]``.
             A static layer's counts live on the device and are read by the kernel: no host synchronisation.
         attention_mask: bool ``[B or 1, 1, 1 or q, ≥ T]`` (True = attend; key ``t`` at column ``t``; rows for the
             q tokens), ``T = layer.length``, or None.
@@ -550,8 +561,8 @@ def decode(
         counts = torch.tensor([*lengths, layer.recent_start], dtype=torch.int32, device=query.device)
         splits = plan(layer, query.shape[0], lengths, config)
     windows, history, center = layer_tensors(layer)
-    return _launch(query, windows, history, center, attention_mask, counts, scaling, layer.config.bits,
-                   layer.group_size, splits, config)
+    return _launch(query, windows, history, center, attention_mask, counts, scaling,
+                   *layer.config.side_bits.values(), layer.group_size, splits, config)
 
 
 @torch.library.custom_op("oscar_hf::decode_attention", mutates_args=())
@@ -563,17 +574,19 @@ def decode_attention(
     attention_mask: torch.Tensor | None,
     counts: torch.Tensor,
     scaling: float,
-    bits: int,
+    key_bits: int,
+    value_bits: int,
     group: int,
     splits: list[int],
 ) -> torch.Tensor:
     """:func:`decode` of a static layer as an operator that torch.compile traces without a graph break and CUDA
     graphs capture (the counts are read on the device). Arguments as :func:`_launch`'s."""
-    return _launch(query, windows, history, center, attention_mask, counts, scaling, bits, group, splits)
+    return _launch(query, windows, history, center, attention_mask, counts, scaling, key_bits, value_bits, group,
+                   splits)
 
 
 @decode_attention.register_fake
-def _(query, windows, history, center, attention_mask, counts, scaling, bits, group, splits):
+def _(query, windows, history, center, attention_mask, counts, scaling, key_bits, value_bits, group, splits):
     batch, hq, _, d = query.shape
     return query.new_empty(batch, 1, hq, d)
 
@@ -583,7 +596,8 @@ def decode_on_device(query: torch.Tensor, layer, attention_mask: torch.Tensor | 
     """:func:`decode` of a static layer in its graph step: the operator, planned once for the layer's capacities."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     return torch.ops.oscar_hf.decode_attention(query, *layer_tensors(layer), attention_mask, layer.counts, scaling,
-                                               layer.config.bits, layer.group_size, layer.decode_splits)
+                                               *layer.config.side_bits.values(), layer.group_size,
+                                               layer.decode_splits)
 
 
 def attend(module, query, key, value, attention_mask, scaling) -> torch.Tensor:

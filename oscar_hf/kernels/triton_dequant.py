@@ -76,6 +76,6 @@ def dequantize_into(layer, side: str, out: torch.Tensor) -> None:
             codes, scale, zero, center, out,
             *codes.stride()[:3], *scale.stride()[:3], *center.stride()[:2], *out.stride()[:3],
             n_hist, heads,
-            D=dim, BITS=layer.config.bits, GROUP=layer.group_size, BLOCK_N=BLOCK_N, CENTERED=centered,
+            D=dim, BITS=layer.config.side_bits[side], GROUP=layer.group_size, BLOCK_N=BLOCK_N, CENTERED=centered,
             num_warps=4, enable_fp_fusion=False,
         )

@@ -141,17 +141,17 @@ def _quantize_block(
 @triton.jit(do_not_specialize=["k_stride_p", "v_stride_p", "n_per_p", "rows"])  # lengths vary: compile once
 def _quantize_kv_kernel(
     k_ptr, k_stride_p, k_stride_n, v_ptr, v_stride_p, v_stride_n, n_per_p, rows,
-    codes_ptr, scale_ptr, zero_ptr, flag_ptr, tiny,
+    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, flag_ptr, tiny,
     K_CLIP_INDEX: tl.constexpr, V_CLIP_INDEX: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
-    BITS: tl.constexpr, BLOCK_R: tl.constexpr, SCALE_DT: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, BLOCK_R: tl.constexpr, SCALE_DT: tl.constexpr,
 ):
-    # grid (row blocks, sides): side 0 quantizes K into output rows [0, rows), side 1 V into [rows, 2·rows).
+    # grid (row blocks, sides): side 0 quantizes K, side 1 V, each into its own codes, scales and zeros
     if tl.program_id(1) == 0:
-        _quantize_block(k_ptr, k_stride_p, k_stride_n, n_per_p, rows, 0, codes_ptr, scale_ptr, zero_ptr, flag_ptr,
-                        tiny, 0, K_CLIP_INDEX, D, GROUP, BITS, BLOCK_R, SCALE_DT)
+        _quantize_block(k_ptr, k_stride_p, k_stride_n, n_per_p, rows, 0, kc_ptr, ks_ptr, kz_ptr, flag_ptr,
+                        tiny, 0, K_CLIP_INDEX, D, GROUP, K_BITS, BLOCK_R, SCALE_DT)
     else:
-        _quantize_block(v_ptr, v_stride_p, v_stride_n, n_per_p, rows, rows, codes_ptr, scale_ptr, zero_ptr, flag_ptr,
-                        tiny, 2, V_CLIP_INDEX, D, GROUP, BITS, BLOCK_R, SCALE_DT)
+        _quantize_block(v_ptr, v_stride_p, v_stride_n, n_per_p, rows, 0, vc_ptr, vs_ptr, vz_ptr, flag_ptr,
+                        tiny, 2, V_CLIP_INDEX, D, GROUP, V_BITS, BLOCK_R, SCALE_DT)
 
 
 def kernel_clip_index(ratio: float, head_dim: int) -> int:
@@ -178,12 +178,12 @@ def _rows_view(x: torch.Tensor) -> torch.Tensor:
     return x3 if x3.stride(-1) == 1 else x3.contiguous()
 
 
-def kernel_supports(x: torch.Tensor, group: int, method: str, bits: int) -> bool:
-    """Whether the kernel handles these rows, group size and quantizer (else the oracle runs): the uniform
-    quantizer, power-of-two D and group, a group spanning whole channel sub-tiles (``group >= D·bits/8``), on
-    CUDA (or anywhere under TRITON_INTERPRET=1)."""
+def kernel_supports(x: torch.Tensor, group: int, method: str, *bits: int) -> bool:
+    """Whether the kernel handles these rows, group size and quantizer at each of ``bits`` (else the oracle runs):
+    the uniform quantizer, power-of-two D and group, a group spanning whole channel sub-tiles (``group >=
+    D·bits/8``), on CUDA (or anywhere under TRITON_INTERPRET=1)."""
     d = x.shape[-1]
-    return (method == "uniform" and d >= 8 and d & (d - 1) == 0 and d * bits // 8 <= group <= d
+    return (method == "uniform" and d >= 8 and d & (d - 1) == 0 and d * max(bits) // 8 <= group <= d
             and group & (group - 1) == 0 and (x.is_cuda or triton.knobs.runtime.interpret))
 
 
@@ -192,23 +192,27 @@ def quantize_pack_kv(
     value: torch.Tensor,
     *,
     bits: int = 2,
+    key_bits: int | None = None,
     group_size: int | None = None,
     k_clip: float = 1.0,
     v_clip: float = 1.0,
     scale_dtype: torch.dtype = torch.float16,
     method: str = "uniform",
 ) -> tuple[QuantizedRows, QuantizedRows]:
-    """Quantize K and V rows (``[..., D]``, same shape, bf16/fp16/fp32, any leading strides) in one launch.
+    """Quantize K (to ``key_bits``, default ``bits``) and V (to ``bits``) rows (``[..., D]``, same shape,
+    bf16/fp16/fp32, any leading strides) in one launch.
 
     Returns ``(QuantizedRows for key, QuantizedRows for value)``: codes uint8 ``[..., D·bits/8]``, scale
     and zero ``[..., D/group]`` in ``scale_dtype``, equal to ``quantizer.quantize`` on each side. The
     Lloyd-Max quantizer and non-power-of-two D fall back to that oracle.
     """
     group = group_size or key.shape[-1]
-    if key.shape != value.shape or not kernel_supports(key, group, method, bits):
-        return (quantize(key, bits=bits, group_size=group_size, clip=k_clip, scale_dtype=scale_dtype, method=method),
+    key_bits = bits if key_bits is None else key_bits
+    if key.shape != value.shape or not kernel_supports(key, group, method, key_bits, bits):
+        return (quantize(key, bits=key_bits, group_size=group_size, clip=k_clip, scale_dtype=scale_dtype,
+                         method=method),
                 quantize(value, bits=bits, group_size=group_size, clip=v_clip, scale_dtype=scale_dtype, method=method))
-    return _launch((key, value), (k_clip, v_clip), bits, group, scale_dtype)
+    return _launch((key, value), (k_clip, v_clip), (key_bits, bits), group, scale_dtype)
 
 
 def quantize_pack(
@@ -224,30 +228,32 @@ def quantize_pack(
     group = group_size or x.shape[-1]
     if not kernel_supports(x, group, method, bits):
         return quantize(x, bits=bits, group_size=group_size, clip=clip, scale_dtype=scale_dtype, method=method)
-    return _launch((x,), (clip,), bits, group, scale_dtype)[0]
+    return _launch((x,), (clip,), (bits,), group, scale_dtype)[0]
 
 
 def _launch(sides, clips, bits, group, scale_dtype) -> tuple[QuantizedRows, ...]:
-    """One launch over 1 or 2 same-shape sides; raises the oracle's ValueErrors from the kernel's flag word."""
+    """One launch over 1 or 2 same-shape sides (``bits``: one per side); raises the oracle's ValueErrors from the
+    kernel's flag word."""
     views = [_rows_view(x) for x in sides]
-    k3, v3 = views[0], views[-1]
+    k3 = views[0]
     d, n, rows = k3.shape[2], k3.shape[1], k3.shape[0] * k3.shape[1]
-    ng, width, device = d // group, d * bits // 8, k3.device
-    codes = torch.empty(len(sides), rows, width, dtype=torch.uint8, device=device)
-    scale = torch.empty(len(sides), rows, ng, dtype=scale_dtype, device=device)
-    zero = torch.empty_like(scale)
+    ng, device = d // group, k3.device
+    outs = [QuantizedRows(torch.empty(rows, d * b // 8, dtype=torch.uint8, device=device),
+                          torch.empty(rows, ng, dtype=scale_dtype, device=device),
+                          torch.empty(rows, ng, dtype=scale_dtype, device=device)) for b in bits]
     if rows:
         flag = torch.zeros(1, dtype=torch.int32, device=device)
         clip_indices = [kernel_clip_index(c, d) for c in clips]
+        v3, vo = views[-1], outs[-1]
         block_r = max(1, 1024 // d)  # one warp per program: 0.51 ms for 32K tokens x 8 heads x D128 on an H100
         with on_device_of(k3):
             _quantize_kv_kernel[(triton.cdiv(rows, block_r), len(sides))](
                 k3, k3.stride(0), k3.stride(1), v3, v3.stride(0), v3.stride(1), n, rows,
-                codes, scale, zero, flag, torch.finfo(scale_dtype).tiny,
+                *outs[0], *vo, flag, torch.finfo(scale_dtype).tiny,
                 K_CLIP_INDEX=clip_indices[0], V_CLIP_INDEX=clip_indices[-1],
-                D=d, GROUP=group, BITS=bits, BLOCK_R=block_r, SCALE_DT=TL_DTYPES[scale_dtype], num_warps=1,
+                D=d, GROUP=group, K_BITS=bits[0], V_BITS=bits[-1], BLOCK_R=block_r, SCALE_DT=TL_DTYPES[scale_dtype],
+                num_warps=1,
             )
         raise_for_flags(int(flag.item()), scale_dtype)
     lead = sides[0].shape[:-1]
-    return tuple(QuantizedRows(codes[i].view(*lead, width), scale[i].view(*lead, ng), zero[i].view(*lead, ng))
-                 for i in range(len(sides)))
+    return tuple(QuantizedRows(*(t.view(*lead, t.shape[-1]) for t in out)) for out in outs)
