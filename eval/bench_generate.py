@@ -14,6 +14,7 @@ Methods (--methods):
 * ``oscar-compiled``: the same with ``max_cache_len=T+N``: static buffers, device-side counts and a fixed mask size
   make the cache compileable, and its one-token update and attention are device-only operators, so generate
   compiles the whole decode forward into one graph (inductor, "reduce-overhead": one CUDA graph per step);
+* ``oscar-k4-compiled``: ``oscar-compiled`` with ``key_bits=4`` (INT4 K, INT2 V);
 * ``bf16-dynamic``: ``DynamicCache(config=model.config)``, eager;
 * ``bf16-static-compiled``: ``StaticCache(config=model.config, max_cache_len=...)``, the cache that
   ``cache_implementation="static"`` builds; generate compiles its decode forward with transformers' default
@@ -149,9 +150,10 @@ class Method:
             return False
 
 
-def _oscar(model: torch.nn.Module, tokens: int, static: bool = False) -> OscarQuantizedCache:
+def _oscar(model: torch.nn.Module, tokens: int, static: bool = False, key_bits: int | None = None
+           ) -> OscarQuantizedCache:
     return OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model,
-                                               max_cache_len=tokens if static else None)
+                                               max_cache_len=tokens if static else None, key_bits=key_bits)
 
 
 def _quantized(backend: str) -> Callable:
@@ -162,6 +164,8 @@ METHODS = {m.name: m for m in (
     Method("oscar", "oscar", _oscar, lambda shape, tokens: OscarConfig().bits_per_element(shape.head_dim, tokens)),
     Method("oscar-compiled", "oscar", functools.partial(_oscar, static=True),
            lambda shape, tokens: OscarConfig().bits_per_element(shape.head_dim, tokens)),
+    Method("oscar-k4-compiled", "oscar", functools.partial(_oscar, static=True, key_bits=4),
+           lambda shape, tokens: OscarConfig(key_bits=4).bits_per_element(shape.head_dim, tokens)),
     Method("bf16-dynamic", "sdpa", lambda model, tokens: DynamicCache(config=model.config), lambda shape, tokens: 16),
     Method("bf16-static-compiled", "sdpa",
            lambda model, tokens: StaticCache(config=model.config, max_cache_len=tokens), lambda shape, tokens: 16),
