@@ -67,6 +67,8 @@ def cmd_calibrate(args) -> None:
     from .diagnostics import format_table
     from .recipes import load_recipe
 
+    if args.key_bits_fraction is not None and (args.key_bits is None or not 0 <= args.key_bits_fraction <= 1):
+        raise SystemExit("error: --key-bits-fraction takes a number in [0, 1] and needs --key-bits")
     recipe = load_recipe(args.recipe) if args.recipe else None
     settings = recipe.calibrate_kwargs() if recipe else {}
     for key in ("num_tokens", "max_length", "k_target", "v_target", "composition", "eigen_order"):
@@ -83,6 +85,8 @@ def cmd_calibrate(args) -> None:
     )
     rotations.source_model = source_model_id(args.model)
     rotations.calibration["data"] = args.data
+    if args.key_bits is not None:
+        rotations.config = recommend_key_bits(rotations, args.key_bits, args.key_bits_fraction)
     from .calibrate import _state
 
     if not _state().is_main_process:
@@ -93,6 +97,20 @@ def cmd_calibrate(args) -> None:
         print(format_table(rotations.diagnostics))
     if args.push_to_hub:
         print(rotations.push_to_hub(args.push_to_hub, subfolder=args.subfolder))
+
+
+def recommend_key_bits(rotations, key_bits: int, fraction: float | None):
+    """The bundle's config with K at ``key_bits``: in every layer, or (``fraction``) in the layers whose diagnostics
+    (measured with the config calibration ran with) show the largest score KL."""
+    from .config import OscarConfig
+    from .diagnostics import most_sensitive_layers
+
+    layers = None
+    if fraction is not None:
+        if not rotations.diagnostics:
+            raise SystemExit("error: --key-bits-fraction ranks layers by the diagnostics; calibrate made none")
+        layers = most_sensitive_layers(rotations.diagnostics, fraction)
+    return (rotations.config or OscarConfig()).replace(key_bits=key_bits, key_bits_layers=layers)
 
 
 def cmd_info(args) -> None:
@@ -188,6 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--v-target")
     cal.add_argument("--composition")
     cal.add_argument("--eigen-order")
+    cal.add_argument("--key-bits", type=int, choices=(2, 4), help="K's bits in the bundle's recommended config")
+    cal.add_argument("--key-bits-fraction", type=float, metavar="F",
+                     help="with --key-bits: only in this fraction of the layers, those whose diagnostics show the "
+                          "largest attention-score KL")
     cal.add_argument("--batch-size", type=int, default=1)
     cal.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     cal.add_argument("--push-to-hub", metavar="REPO")

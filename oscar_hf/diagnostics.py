@@ -27,11 +27,12 @@ class DiagnosticsObserver:
         self.rotations, self.config = rotations, config
         self.sums: dict[int, dict[str, float]] = {}
 
-    def _quantized(self, x: torch.Tensor, clip: float, side: str) -> torch.Tensor:
-        """``x [B, H, T, D]`` of ``side`` ("key" or "value") through the quantizer in the layout the cache stores
-        it (centered on its mean over T when ``side`` is in ``centered_sides``, as the cache does); ``clip`` is the
-        per-token clip ratio (per-channel K is never clipped)."""
-        cfg = self.config
+    def _quantized(self, x: torch.Tensor, clip: float, side: str, cfg: OscarConfig | None = None) -> torch.Tensor:
+        """``x [B, H, T, D]`` of ``side`` ("key" or "value") through the quantizer in the layout a layer with config
+        ``cfg`` (default the observer's) stores it (centered on its mean over T when ``side`` is in
+        ``centered_sides``, as the cache does); ``clip`` is the per-token clip ratio (per-channel K is never
+        clipped)."""
+        cfg = cfg or self.config
         centered = side in cfg.centered_sides
         center = x.mean(dim=2, keepdim=True) if centered else torch.zeros_like(x[:, :, :1])
         x = x - center
@@ -54,11 +55,11 @@ class DiagnosticsObserver:
         return dequantize(rows, bits) + center
 
     def observe(self, layer_idx, query, key, value, output, scaling) -> None:
-        cfg, device = self.config, key.device
+        cfg, device = self.config.for_layer(layer_idx), key.device
         r_k = self.rotations.key_rotation[layer_idx].to(device)
         r_v = self.rotations.value_rotation[layer_idx].to(device)
         k, v = key.float() @ r_k, value.float() @ r_v
-        k_hat, v_hat = self._quantized(k, cfg.k_clip, "key"), self._quantized(v, cfg.v_clip, "value")
+        k_hat, v_hat = self._quantized(k, cfg.k_clip, "key", cfg), self._quantized(v, cfg.v_clip, "value", cfg)
         b, h, t, d = k.shape
         q = (query.float() @ r_k).reshape(b, h, -1, t, d)  # [B, H, g, T, D]
         causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()

@@ -77,6 +77,15 @@ def test_calibrate_prints_the_table(model_dir, data_file, tmp_path, capsys):
     assert "k_error" in out and "mean" in out
 
 
+def test_calibrate_recommends_key_bits_for_the_most_sensitive_layers(model_dir, data_file, tmp_path):
+    run_calibrate(model_dir, data_file, tmp_path / "half", "--key-bits", "4", "--key-bits-fraction", "0.5")
+    bundle = OscarRotations.from_pretrained(tmp_path / "half")
+    kl = [row["score_kl"] for row in bundle.diagnostics]
+    assert bundle.config.key_bits == 4 and bundle.config.key_bits_layers == [kl.index(max(kl))]
+    with pytest.raises(SystemExit, match="needs --key-bits"):
+        run_calibrate(model_dir, data_file, tmp_path / "bad", "--key-bits-fraction", "0.5")
+
+
 def test_info(bundle_dir, capsys):
     main(["info", str(bundle_dir)])
     out = capsys.readouterr().out

@@ -109,3 +109,14 @@ def test_most_sensitive_layers_ranks_by_the_metric():
         most_sensitive_layers(rows, 1.5)
     with pytest.raises(ValueError, match="output_error"):
         most_sensitive_layers(rows, 0.5, metric="output_error")
+
+
+def test_diagnostics_quantize_each_layer_at_its_own_key_bits():
+    """With key_bits_layers, the listed layer's K error is the 4-bit one, the other layer's the 2-bit one."""
+    model = make_model("qwen3-gqa-qknorm-d128")
+    chunks = [torch.randint(3, VOCAB, (64,), generator=torch.Generator().manual_seed(0))]
+    rotations = OscarRotations.identity(model.config)
+    two, four = (diagnose(model, rotations, chunks, OscarConfig(key_bits=bits)) for bits in (2, 4))
+    mixed = diagnose(model, rotations, chunks, OscarConfig(key_bits=4, key_bits_layers=[1]))
+    assert mixed[0]["k_error"] == two[0]["k_error"] and mixed[1]["k_error"] == four[1]["k_error"]
+    assert four[1]["k_error"] < two[1]["k_error"] / 4

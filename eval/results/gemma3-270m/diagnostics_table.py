@@ -38,9 +38,9 @@ class SinkObserver(DiagnosticsObserver):
         super().__init__(rotations, config)
         self.sink = sink
 
-    def _quantized(self, x: torch.Tensor, clip: float, side: str) -> torch.Tensor:
+    def _quantized(self, x: torch.Tensor, clip: float, side: str, cfg: OscarConfig | None = None) -> torch.Tensor:
         """``x [B, H, T, D]`` with tokens ``sink..T-1`` through the quantizer (centered on their own mean)."""
-        return torch.cat([x[:, :, : self.sink], super()._quantized(x[:, :, self.sink :], clip, side)], dim=2)
+        return torch.cat([x[:, :, : self.sink], super()._quantized(x[:, :, self.sink :], clip, side, cfg)], dim=2)
 
 
 def diagnose_with_sink(model, rotations, chunks: list[torch.Tensor], config: OscarConfig, sink: int) -> list[dict]:
