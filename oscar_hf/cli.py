@@ -105,11 +105,7 @@ def recommend_key_bits(rotations, key_bits: int, fraction: float | None):
     from .config import OscarConfig
     from .diagnostics import most_sensitive_layers
 
-    layers = None
-    if fraction is not None:
-        if not rotations.diagnostics:
-            raise SystemExit("error: --key-bits-fraction ranks layers by the diagnostics; calibrate made none")
-        layers = most_sensitive_layers(rotations.diagnostics, fraction)
+    layers = None if fraction is None else most_sensitive_layers(rotations.diagnostics, fraction)
     return (rotations.config or OscarConfig()).replace(key_bits=key_bits, key_bits_layers=layers)
 
 

@@ -126,12 +126,13 @@ def format_comparison(named: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
-def most_sensitive_layers(diagnostics: list[dict], fraction: float, metric: str = "score_kl") -> list[int]:
+def most_sensitive_layers(diagnostics: list[dict] | None, fraction: float, metric: str = "score_kl") -> list[int]:
     """The ``round(fraction · layers)`` layers with the largest ``metric`` in a bundle's diagnostics (by default the
     attention-score KL that INT2 keys cause): where more K bits (``OscarConfig.key_bits_layers``) pay most."""
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"fraction must be in [0, 1]; got {fraction}")
     if not diagnostics or any(metric not in row for row in diagnostics):
-        raise ValueError(f"the diagnostics have no {metric!r} for every layer (calibrate with diagnostics on)")
+        raise ValueError(f"the bundle's diagnostics have no {metric!r} for every layer (calibrate with "
+                         "diagnostic_tokens > 0)")
     ranked = sorted(diagnostics, key=lambda row: row[metric], reverse=True)
     return sorted(row["layer"] for row in ranked[: round(fraction * len(diagnostics))])

@@ -44,10 +44,7 @@ class Method:
         overrides = dict(self.config)
         if overrides.get("group_size") == "min(128, head_dim)":
             overrides["group_size"] = min(128, head_dim)
-        if self.key_bits_fraction is not None:
-            if not diagnostics:
-                raise ValueError(f"method {self.name!r} ranks layers by the calibrated bundle's diagnostics, "
-                                 "and the bundle has none (calibrate with diagnostic_tokens > 0)")
+        if self.key_bits_fraction is not None:  # (raises a ValueError naming the diagnostics when there are none)
             overrides["key_bits_layers"] = most_sensitive_layers(diagnostics, self.key_bits_fraction)
         return (base or OscarConfig()).replace(**overrides)
 
