@@ -12,18 +12,24 @@ columns), so a program of one warp owns whole rows of tokens; sink/recent chunks
 programs per SM; sink/recent chunks (model dtype) are two tiles each and come first in the grid. Stage 2 (grid
 ``B·Hq × D/32``) merges the chunks by log-sum-exp.
 
-History tiles. Byte ``j`` of a row holds channels ``j + i·W`` (``W = D·bits/8``, ``i < 8/bits``), so the codes are
-used as ``8/bits`` channel sub-tiles of width W, each the byte tile shifted by ``i·bits`` and masked: q is split the
-way K is (``8/bits`` dots with K = W, accumulated) and the output the way V is (``8/bits`` accumulators; K and V
-may have different bits); nothing is joined or permuted. Codes become dot operands without an int-to-float
-conversion: ``code | magic`` read as bf16 (fp16) is ``M + code`` with M = 128 (1024). With ``fast_unpack`` one
-inline-PTX block turns a 32-bit word of 4 bytes into two bf16x2/fp16x2 registers (shift, and, two ``prmt``: 1
-instruction per code). Scale and zero stay out of the element loop (per token and group):
+History tiles. Byte ``j`` of a code row holds channels ``j + i·W`` (``W = D·bits/8``, ``i < 8/bits``), so halfword
+``u`` holds channel ``2u + e + i·W`` at bit ``8e + i·bits`` (e = 0, 1): its position ``P = e·8/bits + i``. Rows of
+at least 32 bytes are read as halfwords, and position P of a ``[tokens, W/2]`` halfword tile is one dot operand
+(K = W/2) without an int-to-float conversion: ``(h >> shift) & mask | magic`` read as bf16 (fp16) is
+``M + c·f``, M = 128 (1024), where the mask keeps the code inside the 7 (10) mantissa bits at bit ``log2 f``;
+one shift serves 3 (5) positions of 2-bit codes. With ``fast_unpack`` one ``lop3`` makes two such values (a
+32-bit word of two halfwords): about 0.6 instructions per code. The ``1/f`` goes into q (exact: a power of two)
+and into the output's final scaling. Narrower rows (D = 64 at 2 bits) are read as bytes: position ``P = i`` is
+the byte tile shifted by ``i·bits`` (f = 1), two byte permutes per 4 codes. q is gathered per position the way
+K is, and the output scattered the way V is (K and V may have different bits). Scale and zero stay out of the
+element loop (per token and group):
 
-* K: ``logit = s·(q·(M + c)) + (z - M·s)·Σq``;
-* V: the tensor cores accumulate ``(p·s)·(M + c)`` with ``p·s`` rounded to the dot dtype, and
-  ``Σ p·(z + c̄·s) - (M + c̄)·Σ(p·s)`` (c̄ the middle code; the same rounded ``p·s``) is added once per
-  token: the offset cancels up to fp32 accumulation, and the rounding of ``p·s`` weighs ``|c - c̄|``.
+* K: the logit accumulator starts at ``-M·Σ(q/f)``, so the dots leave ``q·c`` and
+  ``logit = s·(q·c) + z·Σq``;
+* V: the tensor cores accumulate ``(p·s)·(M + c·f)`` with ``p·s`` rounded to the dot dtype; per token group
+  ``Σ p·s`` and ``Σ p·(z + c̄·s) - c̄·Σ p·s`` (c̄ the middle code; the same rounded ``p·s``) are kept, and the
+  output is ``(acc - M·Σ p·s)/f + Σ p·(z + c̄·s) - c̄·Σ p·s``: the offset cancels up to fp32 accumulation, and
+  the rounding of ``p·s`` weighs ``|c - c̄|``.
 
 Centering (the history holds ``x - μ``, ``μ`` one fp32 vector per row and KV head): history logits get
 ``q·μ_K`` (once per program), and a history split's output gets ``(Σ p)·μ_V`` when it is normalised.
@@ -46,7 +52,8 @@ import triton.language as tl
 from . import naive, on_device_of, triton_dequant
 
 LOG2E = 1.4426950408889634
-MAGIC = {torch.bfloat16: (tl.bfloat16, 0x4300, 128.0), torch.float16: (tl.float16, 0x6400, 1024.0)}
+# dot dtype, bits of M (a power of two whose mantissa is zero), M, and the mantissa's width
+MAGIC = {torch.bfloat16: (tl.bfloat16, 0x4300, 128.0, 7), torch.float16: (tl.float16, 0x6400, 1024.0, 10)}
 WINDOW_BLOCK = {64: 32, 128: 32, 256: 16}  # sink/recent tile rows per head_dim (keeps shared memory < 40 KiB)
 WINDOW_TILES = tl.constexpr(2)  # tiles per sink/recent chunk
 MAX_QUERY_ROWS = 32  # query heads x query tokens per program of a several-token call (accumulator registers)
@@ -55,7 +62,7 @@ MAX_QUERY_ROWS = 32  # query heads x query tokens per program of a several-token
 @dataclass(frozen=True)
 class DecodeConfig:
     """Launch parameters of stage 1: history tile tokens, warps, pipeline stages, programs per SM to aim for, and
-    whether codes are unpacked by inline PTX (4 per 32-bit word; GPU only, the interpreter runs the plain path)."""
+    whether codes are unpacked by inline PTX (GPU only, the interpreter runs the plain path)."""
 
     block_n: int = 64
     num_warps: int = 1
@@ -67,10 +74,12 @@ class DecodeConfig:
 
 
 def default_config(batch: int, head_dim: int) -> DecodeConfig:
-    """One warp per program (its reductions over tokens never leave the warp) and many programs per SM; from an
-    H100 sweep (D=128 at B=1, 8, 32 and T=32K, 128K; D=64 and 256 at B=8, T=32K): 64-token tiles (32 at D=256),
-    3 stages, 16 programs per SM."""
-    return DecodeConfig(block_n=64 if head_dim <= 128 else 32, num_warps=1, num_stages=3, programs_per_sm=16)
+    """One warp per program (its reductions over tokens never leave the warp) and many programs per SM; from H100
+    sweeps (D=128 at B=1, 8, 32 and T=32K, 128K; D=64 and 256 at B=8, T=32K): 64-token tiles (32 at D=256),
+    3 stages, 16 programs per SM, 8 at batch 1 (one wave of equal programs), and at D=128 at most 168 registers
+    (12 warps fit on an SM)."""
+    return DecodeConfig(block_n=64 if head_dim <= 128 else 32, num_warps=1, num_stages=3,
+                        programs_per_sm=8 if batch == 1 else 16, max_registers=168 if head_dim == 128 else None)
 
 
 @triton.jit
@@ -82,19 +91,58 @@ def _dot(a, b, acc, FP32_DOT: tl.constexpr):
 
 
 @triton.jit
-def _codes(b, SHIFT: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr, MAGIC_BITS: tl.constexpr,
-           FAST_UNPACK: tl.constexpr):
-    """The codes at bit offset SHIFT of the uint8 bytes ``b``, as ``DT`` values ``M + code`` (M = 128 or 1024)."""
-    if FAST_UNPACK:  # 4 codes per 32-bit word: shift, mask, and two byte permutes into bf16x2/fp16x2 registers
-        full = tl.full(b.shape, 0, tl.int32)
-        return tl.inline_asm_elementwise(
-            "{ .reg .b32 t; shr.b32 t, $2, $3; and.b32 t, t, $7;"
-            " prmt.b32 $0, t, $11, 0x5140; prmt.b32 $1, t, $11, 0x7362; }",
-            "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r",
-            [b, full + SHIFT, full + ((1 << BITS) - 1) * 0x01010101, full + (MAGIC_BITS >> 8) * 0x01010101],
-            dtype=tl.int16, is_pure=True, pack=4,
-        ).to(DT, bitcast=True)
-    return (((b.to(tl.int32) >> SHIFT) & ((1 << BITS) - 1)) | MAGIC_BITS).to(tl.int16).to(DT, bitcast=True)
+def _position(col, P: tl.constexpr, BITS: tl.constexpr, MANTISSA: tl.constexpr, W: tl.constexpr):
+    """``1/f`` of position P (a scalar) and the channel of each element ``col`` of a code row (module docstring)."""
+    NB: tl.constexpr = 8 // BITS
+    if W < 32:  # bytes: sub-tile P, f = 1
+        return 1.0, col + P * W
+    return 1.0 / (1 << (P % (MANTISSA // BITS) * BITS)), 2 * col + P // NB + P % NB * W
+
+
+@triton.jit
+def _shifted(x, SHIFT: tl.constexpr, FAST_UNPACK: tl.constexpr):
+    """int16 halfwords ``x`` shifted right by SHIFT bits (two per 32-bit shift on the fast path: the bits that
+    cross from the neighbour land above the ones :func:`_unpack` keeps)."""
+    if FAST_UNPACK:
+        shifted = tl.inline_asm_elementwise("shr.b32 $0, $1, $2;", "=r,r,r,r", [x, tl.full(x.shape, SHIFT, tl.int32)],
+                                            dtype=tl.int16, is_pure=True, pack=2)
+    else:
+        shifted = (x >> SHIFT).to(tl.int16)
+    return shifted
+
+
+@triton.jit
+def _unpack(x, P: tl.constexpr, BITS: tl.constexpr, MANTISSA: tl.constexpr, W: tl.constexpr, DT: tl.constexpr,
+            MAGIC_BITS: tl.constexpr, FAST_UNPACK: tl.constexpr):
+    """The codes at position P of a tile ``x`` of code rows as ``DT`` values ``M + code·f`` (M = 128 or 1024).
+
+    Halfwords: ``(x >> shift) & mask | magic`` with the code kept inside the mantissa at bit ``log2 f``; a shift
+    serves ``MANTISSA // BITS`` positions (pure inline asm is deduplicated), and one ``lop3`` makes two values.
+    Bytes: shift, mask and two byte permutes per 4 codes (``f = 1``)."""
+    full = tl.full(x.shape, 0, tl.int32)
+    if W < 32:
+        if FAST_UNPACK:
+            codes = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; shr.b32 t, $2, $3; and.b32 t, t, $7;"
+                " prmt.b32 $0, t, $11, 0x5140; prmt.b32 $1, t, $11, 0x7362; }",
+                "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+                [x, full + P * BITS, full + ((1 << BITS) - 1) * 0x01010101, full + (MAGIC_BITS >> 8) * 0x01010101],
+                dtype=tl.int16, is_pure=True, pack=4,
+            )
+        else:
+            codes = (((x.to(tl.int32) >> (P * BITS)) & ((1 << BITS) - 1)) | MAGIC_BITS).to(tl.int16)
+    else:
+        PER: tl.constexpr = MANTISSA // BITS
+        MASK: tl.constexpr = ((1 << BITS) - 1) << (P % PER * BITS)
+        if P >= PER:
+            x = _shifted(x, P // PER * PER * BITS, FAST_UNPACK)
+        if FAST_UNPACK:
+            codes = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $4, 0xEA;", "=r,r,r,r,r,r",
+                                              [x, full + MASK * 0x10001, full + MAGIC_BITS * 0x10001],
+                                              dtype=tl.int16, is_pure=True, pack=2)
+        else:
+            codes = ((x & MASK) | MAGIC_BITS).to(tl.int16)
+    return codes.to(DT, bitcast=True)
 
 
 @triton.jit
@@ -138,44 +186,62 @@ def _meta(ks, kz, vs, vz, n, live, stride_sn, NG: tl.constexpr):
 
 @triton.jit
 def _attend_codes(
-    qts, lo, hi, pos0, kc, ks, kz, vc, vs, vz, stride_kcn, stride_vcn, stride_sn, mask_row, stride_mq, stride_mt,
-    qk_scale, q_mu, query, K_BITS: tl.constexpr, V_BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_MASK: tl.constexpr, Q_LEN: tl.constexpr, DT: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr,
-    FAST_UNPACK: tl.constexpr, FP32_DOT: tl.constexpr,
+    qps, lo, hi, pos0, kc, ks, kz, vc, vs, vz, stride_sn, mask_row, stride_mq, stride_mt,
+    qk_scale, q_mu, query, K_BITS: tl.constexpr, V_BITS: tl.constexpr, GROUP: tl.constexpr, W_K: tl.constexpr,
+    W_V: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, Q_LEN: tl.constexpr, DT: tl.constexpr,
+    MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr, MANTISSA: tl.constexpr, FAST_UNPACK: tl.constexpr,
+    FP32_DOT: tl.constexpr,
 ):
-    """History tokens ``[lo, hi)``, tokens as the MMA rows. ``qts``: the ``8/K_BITS`` channel sub-tiles of q,
-    transposed, ``[W_K, BLOCK_G]`` (query rows as columns; ``W_K = D·K_BITS/8``); ``q_mu [BLOCK_G]``: added to every
-    logit (``q·μ_K`` when centered, else 0); ``query [BLOCK_G]``: each column's query token, for the mask. Returns
-    m, den ``[BLOCK_G]`` and the ``8/V_BITS`` output sub-tiles, transposed, ``[W_V, BLOCK_G]``.
+    """History tokens ``[lo, hi)``, tokens as the MMA rows. ``kc``/``vc``: the codes as contiguous rows of ``HW``
+    elements (halfwords, or bytes for narrow rows; module docstring): a constant row stride keeps short rows aligned
+    for cp.async. ``qps``: q at K's positions, transposed, ``[HW_K, BLOCK_G]`` each (query rows as columns);
+    ``q_mu [BLOCK_G]``: added to every logit (``q·μ_K`` when centered, else 0); ``query [BLOCK_G]``: each column's
+    query token, for the mask. Returns m, den ``[BLOCK_G]`` and the output at V's positions, transposed,
+    ``[HW_V, BLOCK_G]`` each.
 
     The codes are pipelined by Triton (cp.async, ``num_stages``); scale, zero and mask bytes are prefetched by hand
     one tile ahead (their rows end at a count read on the device, too unaligned for cp.async).
 
-    Logits are ``[BLOCK_N, BLOCK_G]`` = K codes ``[BLOCK_N, W]`` · qᵀ, the output is V codesᵀ ``[W, BLOCK_N]`` · (p·s):
-    both dots run with the tokens on the tensor cores' big dimensions, so a GQA group pads to 8 columns (not 16
-    rows), and one warp owns whole rows of tokens (its reductions over tokens stay in the warp).
+    Logits are ``[BLOCK_N, BLOCK_G]`` = K codes ``[BLOCK_N, HW_K]`` · qᵀ per position, the output is V codesᵀ
+    ``[HW_V, BLOCK_N]`` · (p·s) per position: both dots run with the tokens on the tensor cores' big dimensions, so
+    a GQA group pads to 8 columns (not 16 rows), and one warp owns whole rows of tokens (its reductions over tokens
+    stay in the warp).
     """
-    NSUB_V: tl.constexpr = 8 // V_BITS
-    W_K: tl.constexpr = qts[0].shape[0]
-    W_V: tl.constexpr = W_K * V_BITS // K_BITS
-    BLOCK_G: tl.constexpr = qts[0].shape[1]
-    K_SUBS: tl.constexpr = GROUP // W_K  # channel sub-tiles per group
-    V_SUBS: tl.constexpr = GROUP // W_V
-    NG: tl.constexpr = len(qts) // K_SUBS
+    HW_K: tl.constexpr = qps[0].shape[0]  # elements per code row (as in the kernel)
+    HW_V: tl.constexpr = W_V if W_V < 32 else W_V // 2
+    BLOCK_G: tl.constexpr = qps[0].shape[1]
+    NB_K: tl.constexpr = 8 // K_BITS  # codes per byte
+    NB_V: tl.constexpr = 8 // V_BITS
+    NP_K: tl.constexpr = len(qps)  # positions (code sub-tiles)
+    NP_V: tl.constexpr = NB_V * W_V // HW_V
+    NG: tl.constexpr = W_K * NB_K // GROUP
     CENTER: tl.constexpr = ((1 << V_BITS) - 1) / 2
-    k_byte = tl.arange(0, W_K)
-    v_byte = tl.arange(0, W_V)
-    qsums = ()  # Σq over each group, for the zero term
-    pzs = ()  # per group: Σ p·z - M·Σ p·s, added to the group's output rows at the end
+    k_col = tl.arange(0, HW_K)
+    v_col = tl.arange(0, HW_V)
+    # q/f per position (exact: f is a power of two); per group Σq for the zero term, and -M·Σ(q/f) to start the
+    # group's logit accumulator, which then holds q·code
+    qts = ()
+    for P in tl.static_range(NP_K):
+        qts = qts + ((qps[P].to(tl.float32) * _position(k_col, P, K_BITS, MANTISSA, W_K)[0]).to(DT),)
+    qsums = ()
+    q_offs = ()
     for g in tl.static_range(NG):
         total = tl.zeros([BLOCK_G], tl.float32)
-        for j in tl.static_range(K_SUBS):
-            total += tl.sum(qts[g * K_SUBS + j].to(tl.float32), axis=0)
+        offset = tl.zeros([BLOCK_G], tl.float32)
+        for P in tl.static_range(NP_K):
+            if P % NB_K * W_K // GROUP == g:
+                total += tl.sum(qps[P].to(tl.float32), axis=0)
+                offset -= MAGIC_VALUE * tl.sum(qts[P].to(tl.float32), axis=0)
         qsums = qsums + (total,)
+        q_offs = q_offs + (offset,)
+    pss = ()  # per group: Σ p·s (as rounded for the dots), and Σ p·(z + c̄·s) - c̄·Σ p·s
+    pzs = ()
+    for g in tl.static_range(NG):
+        pss = pss + (tl.zeros([BLOCK_G], tl.float32),)
         pzs = pzs + (tl.zeros([BLOCK_G], tl.float32),)
     accs = ()
-    for i in tl.static_range(NSUB_V):
-        accs = accs + (tl.zeros([W_V, BLOCK_G], tl.float32),)
+    for P in tl.static_range(NP_V):
+        accs = accs + (tl.zeros([HW_V, BLOCK_G], tl.float32),)
     m = tl.full([BLOCK_G], -1.0e30, tl.float32)  # finite: a fully masked tile leaves alpha = 1 and p = 0
     den = tl.zeros([BLOCK_G], tl.float32)
     n_next = lo + tl.arange(0, BLOCK_N)
@@ -189,39 +255,47 @@ def _attend_codes(
         n_next = n + BLOCK_N
         meta_next = _meta(ks, kz, vs, vz, n_next, n_next < hi, stride_sn, NG)
         mask_next = _mask_tile(mask_row, stride_mq, stride_mt, pos0 + n_next, n_next < hi, query, HAS_MASK, Q_LEN)
-        kb = tl.load(kc + n[:, None] * stride_kcn + k_byte[None, :], mask=inside[:, None], other=0)  # [BLOCK_N, W_K]
-        vb = tl.load(vc + n[None, :] * stride_vcn + v_byte[:, None], mask=inside[None, :], other=0)  # [W_V, BLOCK_N]
+        kh = tl.load(kc + n[:, None] * HW_K + k_col[None, :], mask=inside[:, None], other=0)  # [BLOCK_N, HW_K]
+        vh = tl.load(vc + n[None, :] * HW_V + v_col[:, None], mask=inside[None, :], other=0)  # [HW_V, BLOCK_N]
         logits = tl.zeros([BLOCK_N, BLOCK_G], tl.float32) + q_mu[None, :]
         for g in tl.static_range(NG):
-            qk = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
-            for j in tl.static_range(K_SUBS):  # (an index assigned in a runtime loop stops being constexpr)
-                kq = _codes(kb, (g * K_SUBS + j) * K_BITS, K_BITS, DT, MAGIC_BITS, FAST_UNPACK)
-                qk = _dot(kq, qts[g * K_SUBS + j], qk, FP32_DOT)
+            qk = tl.zeros([BLOCK_N, BLOCK_G], tl.float32) + q_offs[g][None, :]
+            for P in tl.static_range(NP_K):
+                if P % NB_K * W_K // GROUP == g:
+                    kq = _unpack(kh, P, K_BITS, MANTISSA, W_K, DT, MAGIC_BITS, FAST_UNPACK)
+                    qk = _dot(kq, qts[P], qk, FP32_DOT)
             s = meta[4 * g].to(tl.float32) * qk_scale
             z = meta[4 * g + 1].to(tl.float32) * qk_scale
-            logits += qk * s[:, None] + (z - MAGIC_VALUE * s)[:, None] * qsums[g][None, :]
+            logits += qk * s[:, None] + z[:, None] * qsums[g][None, :]
         logits = tl.where(live, logits, float("-inf"))
         m_new = tl.maximum(m, tl.max(logits, axis=0))
         alpha = tl.exp2(m - m_new)
-        p = tl.exp2(logits - m_new[None, :])
-        den = den * alpha + tl.sum(p, axis=0)
+        prob = tl.exp2(logits - m_new[None, :])
+        den = den * alpha + tl.sum(prob, axis=0)
         m = m_new
-        new_accs = ()
+        new_pss = ()
         new_pzs = ()
+        ps_groups = ()
         for g in tl.static_range(NG):
             s = meta[4 * g + 2].to(tl.float32)
             mid = meta[4 * g + 3].to(tl.float32) + CENTER * s
-            ps = (p * s[:, None]).to(DT, fp_downcast_rounding="rtne")  # the rounding then weighs |code - CENTER|
-            corr = tl.sum(p * mid[:, None] - (MAGIC_VALUE + CENTER) * ps.to(tl.float32), axis=0)
-            new_pzs = new_pzs + (pzs[g] * alpha + corr,)
-            for j in tl.static_range(V_SUBS):
-                vq = _codes(vb, (g * V_SUBS + j) * V_BITS, V_BITS, DT, MAGIC_BITS, FAST_UNPACK)
-                new_accs = new_accs + (_dot(vq, ps, accs[g * V_SUBS + j] * alpha[None, :], FP32_DOT),)
-        accs = new_accs
+            ps = (prob * s[:, None]).to(DT, fp_downcast_rounding="rtne")  # the rounding then weighs |code - CENTER|
+            ps32 = ps.to(tl.float32)
+            new_pss = new_pss + (pss[g] * alpha + tl.sum(ps32, axis=0),)
+            new_pzs = new_pzs + (pzs[g] * alpha + tl.sum(prob * mid[:, None] - CENTER * ps32, axis=0),)
+            ps_groups = ps_groups + (ps,)
+        pss = new_pss
         pzs = new_pzs
+        new_accs = ()
+        for P in tl.static_range(NP_V):
+            vq = _unpack(vh, P, V_BITS, MANTISSA, W_V, DT, MAGIC_BITS, FAST_UNPACK)
+            new_accs = new_accs + (_dot(vq, ps_groups[P % NB_V * W_V // GROUP], accs[P] * alpha[None, :], FP32_DOT),)
+        accs = new_accs
     out = ()
-    for i in tl.static_range(NSUB_V):
-        out = out + (accs[i] + pzs[i // V_SUBS][None, :],)
+    for P in tl.static_range(NP_V):  # (acc - M·Σ p·s) / f + Σ p·(z + c̄·s) - c̄·Σ p·s
+        inv_f = _position(v_col, P, V_BITS, MANTISSA, W_V)[0]
+        out = out + ((accs[P] - MAGIC_VALUE * pss[P % NB_V * W_V // GROUP][None, :]) * inv_f
+                     + pzs[P % NB_V * W_V // GROUP][None, :],)
     return m, den, out
 
 
@@ -266,7 +340,7 @@ def _decode_stage1_kernel(
     sk_ptr, sv_ptr, stride_sink_b, stride_sink_h, stride_sink_n,
     rk_ptr, rv_ptr, stride_rec_b, stride_rec_h, stride_rec_n,
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
-    stride_kcb, stride_kch, stride_kcn, stride_vcb, stride_vch, stride_vcn, stride_zb, stride_zh, stride_zn,
+    stride_kcb, stride_kch, stride_vcb, stride_vch, stride_zb, stride_zh, stride_zn,
     mu_k_ptr, mu_v_ptr, stride_mu_b, stride_mu_h,
     mask_ptr, stride_mb, stride_mq, stride_mt,
     part_o_ptr, part_lse_ptr,
@@ -276,61 +350,61 @@ def _decode_stage1_kernel(
     V_BITS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, HAS_MASK: tl.constexpr, Q_LEN: tl.constexpr,
     CENTERED: tl.constexpr, DT: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr,
-    FAST_UNPACK: tl.constexpr, FP32_DOT: tl.constexpr,
+    MANTISSA: tl.constexpr, FAST_UNPACK: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
     """Query row ``c = r·Q_LEN + t`` of a program is query head ``h·G_Q + r`` at query token ``t``; its partial
     output and lse go to row ``(b·Hq + h·G_Q + r)·Q_LEN + t``."""
-    NSUB_K: tl.constexpr = 8 // K_BITS
-    W_K: tl.constexpr = D // NSUB_K
-    NSUB_V: tl.constexpr = 8 // V_BITS  # (also the window chunks' channel sub-tiles)
-    W: tl.constexpr = D // NSUB_V
+    W_K: tl.constexpr = D * K_BITS // 8  # bytes per code row
+    W_V: tl.constexpr = D * V_BITS // 8
+    HW_K: tl.constexpr = W_K if W_K < 32 else W_K // 2  # elements per code row: bytes for rows narrower
+    HW_V: tl.constexpr = W_V if W_V < 32 else W_V // 2  # than one MMA K in halfwords (D = 64 at 2 bits)
+    W: tl.constexpr = W_V  # the window chunks' channel sub-tiles
     WIN_CHUNK: tl.constexpr = WINDOW_TILES * BLOCK_W
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
-    cols = tl.arange(0, W)
-    k_cols = tl.arange(0, W_K)
     q_head = q_ptr + b * stride_qb + h * G_Q * stride_qh
     mask_row = mask_ptr + b * stride_mb
     n_sink = tl.load(counts_ptr)
     n_hist = tl.load(counts_ptr + 1)
     n_recent = tl.load(counts_ptr + 2)
     win_splits = total_splits - hist_splits
-    if split >= win_splits:  # history; query rows as columns: q and the output transposed, [W, BLOCK_G] sub-tiles
+    if split >= win_splits:  # history; query rows as columns: q and the output transposed, per halfword position
         heads = tl.arange(0, BLOCK_G)
         keep = heads < G_Q * Q_LEN
         q_cols = q_head + (heads // Q_LEN) * stride_qh + (heads % Q_LEN) * stride_qt
-        qts = ()
-        for i in tl.static_range(NSUB_K):
-            qts = qts + (tl.load(q_cols[None, :] + i * W_K + k_cols[:, None], mask=keep[None, :], other=0.0),)
+        k_col = tl.arange(0, HW_K)
+        mu_k = mu_k_ptr + b * stride_mu_b + h * stride_mu_h
+        qps = ()
         q_mu = tl.zeros([BLOCK_G], tl.float32)  # q·μ_K, in logit units
-        if CENTERED:
-            mu_k = mu_k_ptr + b * stride_mu_b + h * stride_mu_h + k_cols
-            for i in tl.static_range(NSUB_K):
-                q_mu += tl.sum(qts[i].to(tl.float32) * tl.load(mu_k + i * W_K)[:, None], axis=0)
-            q_mu = q_mu * qk_scale
+        for P in tl.static_range(8 // K_BITS * W_K // HW_K):
+            ch = _position(k_col, P, K_BITS, MANTISSA, W_K)[1]
+            qp = tl.load(q_cols[None, :] + ch[:, None], mask=keep[None, :], other=0.0)
+            qps = qps + (qp,)
+            if CENTERED:
+                q_mu += tl.sum(qp.to(tl.float32) * tl.load(mu_k + ch)[:, None], axis=0)
+        q_mu = q_mu * qk_scale
         hist_chunk = tl.cdiv(tl.cdiv(n_hist, hist_splits), BLOCK_N) * BLOCK_N
         lo = (split - win_splits) * hist_chunk
         meta_off = b * stride_zb + h * stride_zh
         m, den, accs = _attend_codes(
-            qts, lo, tl.minimum(lo + hist_chunk, n_hist), n_sink,
+            qps, lo, tl.minimum(lo + hist_chunk, n_hist), n_sink,
             kc_ptr + b * stride_kcb + h * stride_kch, ks_ptr + meta_off, kz_ptr + meta_off,
-            vc_ptr + b * stride_vcb + h * stride_vch, vs_ptr + meta_off, vz_ptr + meta_off, stride_kcn, stride_vcn,
-            stride_zn, mask_row, stride_mq, stride_mt, qk_scale, q_mu, heads % Q_LEN, K_BITS, V_BITS, GROUP, BLOCK_N,
-            HAS_MASK, Q_LEN, DT, MAGIC_BITS, MAGIC_VALUE, FAST_UNPACK, FP32_DOT,
+            vc_ptr + b * stride_vcb + h * stride_vch, vs_ptr + meta_off, vz_ptr + meta_off, stride_zn,
+            mask_row, stride_mq, stride_mt, qk_scale, q_mu, heads % Q_LEN, K_BITS, V_BITS, GROUP, W_K, W_V,
+            BLOCK_N, HAS_MASK, Q_LEN, DT, MAGIC_BITS, MAGIC_VALUE, MANTISSA, FAST_UNPACK, FP32_DOT,
         )
-        if CENTERED:  # Σ p·μ_V, μ_V split into the output's channel sub-tiles
-            mu_v = mu_v_ptr + b * stride_mu_b + h * stride_mu_h + cols
-            new_accs = ()
-            for i in tl.static_range(NSUB_V):
-                new_accs = new_accs + (accs[i] + den[None, :] * tl.load(mu_v + i * W)[:, None],)
-            accs = new_accs
         safe_den = tl.where(den > 0, den, 1.0)
         part = (bh * G_Q * Q_LEN + heads).to(tl.int64) * total_splits + split
-        for i in tl.static_range(NSUB_V):
-            tl.store(part_o_ptr + part[None, :] * D + i * W + cols[:, None], accs[i] / safe_den[None, :],
-                     mask=keep[None, :])
+        v_col = tl.arange(0, HW_V)
+        mu_v = mu_v_ptr + b * stride_mu_b + h * stride_mu_h
+        for P in tl.static_range(len(accs)):
+            ch = _position(v_col, P, V_BITS, MANTISSA, W_V)[1]
+            out = accs[P]
+            if CENTERED:  # Σ p·μ_V
+                out += den[None, :] * tl.load(mu_v + ch)[:, None]
+            tl.store(part_o_ptr + part[None, :] * D + ch[:, None], out / safe_den[None, :], mask=keep[None, :])
         tl.store(part_lse_ptr + part, tl.where(den > 0, m + tl.log2(safe_den), float("-inf")), mask=keep)
     else:  # one code path for sink and recent chunks (pointers chosen per program)
         in_sink = split < sink_splits
@@ -490,7 +564,7 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
     group_q = hq // heads
     rows = group_q * q_len  # query rows per program
     cfg = config or default_config(batch, d)
-    dt, magic_bits, magic_value = MAGIC[query.dtype]
+    dt, magic_bits, magic_value, mantissa = MAGIC[query.dtype]
     query = query if query.stride(-1) == 1 else query.contiguous()
     hist_splits, sink_splits, total = splits
     if attention_mask is None:
@@ -503,7 +577,11 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
     out = torch.empty(batch, hq, q_len, d, dtype=query.dtype, device=query.device)
     scaling = d**-0.5 if scaling is None else scaling
     interpreting = triton.knobs.runtime.interpret
-    hist_strides = history[0].stride()[:3] + history[3].stride()[:3] + history[1].stride()[:3]
+    history = [t.view(torch.int16) if t.dtype == torch.uint8 and t.shape[-1] >= 32 else t for t in history]
+    if any(t.stride(2) != t.shape[3] for t in history[::3]):
+        raise ValueError("decode reads code rows of contiguous halfwords; got strides "
+                         f"{history[0].stride()} and {history[3].stride()}")
+    hist_strides = history[0].stride()[:2] + history[3].stride()[:2] + history[1].stride()[:3]
     mu = (*center, *center[0].stride()[:2]) if center else (mask, mask, 0, 0)
     with on_device_of(query):
         _decode_stage1_kernel[(batch * heads, total)](
@@ -519,8 +597,8 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
             G_Q=group_q, BLOCK_G=max(8, triton.next_power_of_2(rows)),
             BLOCK_H=max(16, triton.next_power_of_2(rows)), D=d, K_BITS=key_bits, V_BITS=value_bits,
             GROUP=group, BLOCK_N=cfg.block_n, BLOCK_W=WINDOW_BLOCK[d], HAS_MASK=attention_mask is not None,
-            Q_LEN=q_len, CENTERED=bool(center),
-            DT=dt, MAGIC_BITS=magic_bits, MAGIC_VALUE=magic_value, FAST_UNPACK=cfg.fast_unpack and not interpreting,
+            Q_LEN=q_len, CENTERED=bool(center), DT=dt, MAGIC_BITS=magic_bits, MAGIC_VALUE=magic_value,
+            MANTISSA=mantissa, FAST_UNPACK=cfg.fast_unpack and not interpreting,
             FP32_DOT=dt == tl.bfloat16 and interpreting, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **({"maxnreg": cfg.max_registers} if cfg.max_registers and not interpreting else {}),
         )
