@@ -222,8 +222,8 @@ def sweep_configs(batch: int, d: int, fast_ok: bool) -> list[DecodeConfig]:
         256: [(32, 1, 3), (16, 1, 3), (64, 1, 3), (32, 1, 2), (32, 1, 4), (32, 2, 3)],
     }[d]
     configs = [replace(base, block_n=n, num_warps=w, num_stages=s) for n, w, s in tiles]
-    configs += [replace(base, programs_per_sm=p) for p in (8, 32)]
-    configs += [replace(base, max_registers=r) for r in (168, 128)]
+    configs += [replace(base, programs_per_sm=p) for p in (8, 12, 24, 32) if p != base.programs_per_sm]
+    configs += [replace(base, max_registers=r) for r in (None, 168, 128) if r != base.max_registers]
     return configs + ([replace(base, fast_unpack=False)] if fast_ok else [])
 
 

@@ -1,7 +1,7 @@
 """End-to-end ``model.generate`` benchmark on one GPU: the OSCAR cache against transformers' BF16 caches.
 
     PYTHONPATH=. python eval/bench_generate.py [--models M,..] [--methods X,..] [--lengths T,..] [--batches B,..]
-                                               [--steps N] [--warmup W] [--budget-s S] [--out DIR]
+                                               [--steps N] [--warmup W] [--budget-s S] [--kernels N] [--out DIR]
     PYTHONPATH=. python eval/bench_generate.py --smoke [--device cpu]   # tiny random models, < 1 minute on a CPU
 
 Models: random-weight bf16 models of real shapes (Qwen3-8B, Llama-3.1-8B) built from their configs directly on the
@@ -33,7 +33,8 @@ decode steps. ``forward_ms`` (compiled methods): after generate, the compiled de
 called ``steps`` more times back to back with the same inputs (one CUDA graph replay each; every call stores one more
 token, so the caches are built with room for them): the decode step without generate's host work between steps
 (sampling, stopping criteria, input preparation). ``compile_s`` is what the warm-up steps took beyond as many timed
-steps (torch.compile and CUDA-graph capture for the compiled method). ``peak_mem_gb``:
+steps (torch.compile and CUDA-graph capture for the compiled method); ``--kernels N`` then logs the forward's time
+by kernel (torch.profiler over 5 more replays: GPU time; on the CPU, self time by op). ``peak_mem_gb``:
 torch.cuda.max_memory_allocated during the generate call, i.e. weights + cache + decode working set
 (``base_mem_gb``: allocated before the cache). ``cache_gb``: the bytes of the cache's tensors after the call
 (``cache.nbytes`` for OSCAR). Memory in GiB, summed over the GPUs the model uses. Cases whose cache alone cannot fit
@@ -90,6 +91,7 @@ from oscar_hf.evaluation.environment import GIB, device_slug, environment
 
 START = time.perf_counter()
 QUANTIZED_BITS = 2  # QuantizedCache at OSCAR's bit width
+KERNEL_CALLS = 5  # profiled replays of the compiled forward (--kernels)
 
 _8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
            max_position_embeddings=262144)  # above every T benchmarked (it does not change any shape)
@@ -122,6 +124,7 @@ class Profile:
     budget_s: float  # no case starts later than this, counted from the end of the imports (~15 s on a GPU host)
     gpus: int = 1  # the model's layers split evenly over this many GPUs (accelerate.dispatch_model)
     capacity: bool = True  # run the capacity search
+    kernels: int = 0  # print this many of the compiled forward's longest kernels (0: none)
 
 
 FULL = Profile(("qwen3-8b", "llama3.1-8b"), (4096, 32768, 131072), (1, 8, 32), steps=16, warmup=3, max_batch=512,
@@ -345,6 +348,26 @@ def replay_ms(recorder: ForwardRecorder, steps: int, device: torch.device) -> fl
     return 1e3 * seconds(start, timestamp(device)) / steps
 
 
+@torch.no_grad()
+def kernel_times(recorder: ForwardRecorder, top: int, device: torch.device, calls: int = KERNEL_CALLS) -> list[str]:
+    """Lines for the log: time per call of the recorded forward, in all and for its ``top`` longest kernels
+    (torch.profiler over ``calls`` more replays; GPU time of CUDA kernels, or self CPU time of ops on the CPU; a
+    kernel launched n times per forward is one row, "x n")."""
+    cuda = device.type == "cuda"
+    with torch.profiler.profile(activities=[getattr(torch.profiler.ProfilerActivity, "CUDA" if cuda else "CPU")]) as p:
+        for _ in range(calls):
+            recorder.forward(**recorder.kwargs)
+        if cuda:
+            torch.cuda.synchronize(device)
+    time_us = (lambda e: e.device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    events = sorted((e for e in p.key_averages() if time_us(e) > 0), key=lambda e: -time_us(e))
+    total = sum(map(time_us, events)) / calls / 1e3
+    lines = [f"    {'GPU' if cuda else 'CPU'} time per forward {total:.3f} ms in "
+             f"{sum(e.count for e in events) // calls} {'kernels' if cuda else 'ops'}; longest:"]
+    return lines + [f"    {time_us(e) / calls / 1e3:8.3f} ms x{e.count // calls:4d}  {e.key[:100]}"
+                    for e in events[:top]]
+
+
 @contextlib.contextmanager
 def lm_head_positions(model: torch.nn.Module):
     """Yields a list that receives, for every call of the LM head, the number of positions it computed."""
@@ -409,7 +432,8 @@ def measure_decode(model: torch.nn.Module, method: Method, length: int, batch: i
     device, shape = clock_device(model), ModelShape.from_config(model.config)
     new_tokens = profile.warmup + profile.steps + 1
     base = memory_gib(model, torch.cuda.memory_allocated)
-    cache = method.make(model, length + new_tokens + profile.steps + 1)  # room for the replays
+    replays = profile.steps + 1 + (KERNEL_CALLS if profile.kernels else 0)
+    cache = method.make(model, length + new_tokens + replays)  # room for the replays
     start = timestamp(device)
     fill_cache(cache, shape, batch, length, profile.fill_chunk_bytes if method.chunked_fill else None,
                layer_devices(model))
@@ -431,6 +455,9 @@ def measure_decode(model: torch.nn.Module, method: Method, length: int, batch: i
         check_length(cache, length + new_tokens)
         peak = memory_gib(model, torch.cuda.max_memory_allocated)
         forward_ms = replay_ms(recorder, profile.steps, device) if recorder and recorder.kwargs else None
+        if profile.kernels and forward_ms is not None:
+            for line in kernel_times(recorder, profile.kernels, device):
+                say(line)
     if out.shape != (batch, length + 1 + new_tokens):
         raise RuntimeError(f"generate returned {tuple(out.shape)}")
     timed_s = seconds(clock.marks[profile.warmup], clock.marks[-1])
@@ -697,6 +724,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--gpus", type=positive, help="split each model's layers over this many GPUs (default 1)")
     p.add_argument("--no-capacity", dest="capacity", action="store_false", default=None,
                    help="skip the capacity search")
+    p.add_argument("--kernels", type=positive, help="after forward_ms, print the compiled forward's N longest kernels "
+                   "(GPU time per forward, torch.profiler)")
     p.add_argument("--out", default="eval/results", help="folder for the CSV, .log and .png")
     args = p.parse_args()
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -705,7 +734,7 @@ def parse_args() -> argparse.Namespace:
     if (args.gpus or 1) > max(1, torch.cuda.device_count()):
         p.error(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} CUDA devices")
     overrides = {k: getattr(args, k) for k in ("models", "lengths", "batches", "steps", "warmup", "budget_s", "gpus",
-                                             "capacity")}
+                                             "capacity", "kernels")}
     args.profile = replace(SMOKE if args.smoke else FULL, **{k: v for k, v in overrides.items() if v is not None})
     return args
 

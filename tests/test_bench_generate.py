@@ -111,25 +111,31 @@ def test_prefill_is_retried_in_chunks_after_an_oom(monkeypatch):
     assert result == {"prefill_s": 1.5, "prefill_chunk": profile.prefill_chunk, "prefill_status": "ok"}
 
 
-@pytest.mark.parametrize("name", ["oscar-compiled", "bf16-static-compiled"])
-def test_compiled_forward_is_replayed_without_generate(name):
+@pytest.mark.parametrize("name, kernels", [("oscar-compiled", 0), ("bf16-static-compiled", 0), ("oscar-compiled", 3)])
+def test_compiled_forward_is_replayed_without_generate(name, kernels, capsys):
     """forward_ms: generate's compiled decode forward, called again with its last inputs (each call counts one more
-    token in the cache), without recompiling; the recorder is removed afterwards."""
+    token in the cache), without recompiling; the recorder is removed afterwards. --kernels profiles more replays
+    (the cache has room for them) and logs the longest kernels (ops, on the CPU)."""
     from transformers import CompileConfig
 
     model = bench.build_model("qwen3-tiny", torch.device("cpu"))
     config = CompileConfig(backend="aot_eager", mode=None)  # CPU: no CUDA graphs, same replay path
     config._compile_all_devices = True
     model.generation_config.compile_config = config
-    profile = replace(bench.SMOKE, steps=2, warmup=2)
+    profile = replace(bench.SMOKE, steps=2, warmup=2, kernels=kernels)
     made, make = [], bench.METHODS[name].make
     method = replace(bench.METHODS[name], make=lambda model, tokens: made.append(make(model, tokens)) or made[-1])
     bench.use_attention(model, method)
     row = bench.measure_decode(model, method, 96, 1, profile)
     assert row["compiled"] and row["forward_ms"] > 0 and "status" not in row, row.get("status")
     generated = 96 + profile.warmup + profile.steps + 1
-    assert int(made[0].get_seq_length()) == generated + profile.steps + 1
+    profiled = bench.KERNEL_CALLS if kernels else 0
+    assert int(made[0].get_seq_length()) == generated + profile.steps + 1 + profiled
     assert not isinstance(model._compiled_call, bench.ForwardRecorder)
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("    ")]
+    assert len(table) == (1 + kernels if kernels else 0), table
+    if kernels:
+        assert "CPU time per forward" in table[0] and all(" ms x" in line for line in table[1:])
 
 
 def test_split_map_spreads_the_layers_evenly_in_order():
