@@ -109,7 +109,7 @@ METHODS: dict[str, Method] = {
             "oscar-k4",
             "as oscar, with 4-bit K (2-bit V)",
             "calibrated",
-            {"quantizer": "uniform", "centering": True, "bits": 2, "key_bits": 4, "key_bits_layers": None},
+            {"quantizer": "uniform", "centering": True, **INT2, "key_bits": 4},
         ),
         Method(
             "oscar-k4-half",

@@ -118,7 +118,7 @@ def _store_rows(codes_ptr, scale_ptr, zero_ptr, rows, stride_cn, stride_zn, live
 
 @triton.jit
 def _quantize_block(
-    x_ptr, stride_p, stride_n, n_per_p, rows, out_row0,
+    x_ptr, stride_p, stride_n, n_per_p, rows,
     codes_ptr, scale_ptr, zero_ptr, flag_ptr, tiny,
     FLAG_SHIFT: tl.constexpr, CLIP_INDEX: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
     BITS: tl.constexpr, BLOCK_R: tl.constexpr, SCALE_DT: tl.constexpr,
@@ -134,8 +134,7 @@ def _quantize_block(
     packed, scales, zeros, flag = _quantize_tile(xs, tiny, CLIP_INDEX, GROUP, BITS, SCALE_DT)
     flags = flag << FLAG_SHIFT
     tl.atomic_or(flag_ptr, flags, mask=flags != 0)
-    _store_rows(codes_ptr, scale_ptr, zero_ptr, (out_row0 + r).to(tl.int64), W, D // GROUP, live, packed, scales,
-                zeros)
+    _store_rows(codes_ptr, scale_ptr, zero_ptr, r.to(tl.int64), W, D // GROUP, live, packed, scales, zeros)
 
 
 @triton.jit(do_not_specialize=["k_stride_p", "v_stride_p", "n_per_p", "rows"])  # lengths vary: compile once
@@ -147,10 +146,10 @@ def _quantize_kv_kernel(
 ):
     # grid (row blocks, sides): side 0 quantizes K, side 1 V, each into its own codes, scales and zeros
     if tl.program_id(1) == 0:
-        _quantize_block(k_ptr, k_stride_p, k_stride_n, n_per_p, rows, 0, kc_ptr, ks_ptr, kz_ptr, flag_ptr,
+        _quantize_block(k_ptr, k_stride_p, k_stride_n, n_per_p, rows, kc_ptr, ks_ptr, kz_ptr, flag_ptr,
                         tiny, 0, K_CLIP_INDEX, D, GROUP, K_BITS, BLOCK_R, SCALE_DT)
     else:
-        _quantize_block(v_ptr, v_stride_p, v_stride_n, n_per_p, rows, 0, vc_ptr, vs_ptr, vz_ptr, flag_ptr,
+        _quantize_block(v_ptr, v_stride_p, v_stride_n, n_per_p, rows, vc_ptr, vs_ptr, vz_ptr, flag_ptr,
                         tiny, 2, V_CLIP_INDEX, D, GROUP, V_BITS, BLOCK_R, SCALE_DT)
 
 
