@@ -10,7 +10,9 @@
    sets (more bytes than the L2 cache; no launch overhead; triton.testing.do_bench median), and reports GB/s over
    the packed bytes read (codes + scales/zeros + sink/recent windows + q), the fraction of the copy bandwidth,
    and the speedup over bf16 torch SDPA decode (same context and GQA, query heads packed per KV head). The eager
-   time of one call (Python launch overhead included) is reported too.
+   time of one call (Python launch overhead included) is reported too, and the fraction of the copy bandwidth
+   that a kernel which only reads the same bytes reaches (``read_frac_copy_bw``: the ceiling at that size, where
+   launch and ramp-up weigh on a few microseconds of data).
 4. Times the write kernel on a 32K-token prefill of one layer against that layer's bf16 SDPA prefill.
 5. Times a 4-token verify step (assisted decoding) over 32K and 128K tokens of one layer: the decode kernel with
    several query tokens, against dequantizing the history (torch, or the Triton kernel) then SDPA; eager, and GPU
@@ -56,6 +58,7 @@ if ARGS.smoke:
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from oscar_hf import OscarConfig, OscarLayer  # noqa: E402
 from oscar_hf.evaluation.environment import device_slug, environment  # noqa: E402
@@ -203,6 +206,31 @@ def copy_bandwidth() -> float:
     return 2 * n / (eager_time(lambda: dst.copy_(src)) * 1e-3) / 1e9
 
 
+@triton.jit
+def _read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """Sums int32s ``x[n]`` (grid-strided): a kernel that only reads, as the decode kernel mostly does."""
+    pid = tl.program_id(0)
+    acc = tl.zeros([BLOCK], tl.int32)
+    for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc += tl.load(x_ptr + offs, mask=offs < n, other=0)
+    tl.store(out_ptr + pid * BLOCK + tl.arange(0, BLOCK), acc)
+
+
+def read_time(nbytes: int) -> float:
+    """ms of the fastest plain read of ``nbytes`` (``_read_kernel``, 1 to 8 programs of 8 warps per SM, CUDA graphs
+    over rotated buffers as for the decode kernel): what reading that many bytes costs at best, launch included."""
+    n, block = nbytes // 4, 1024
+    sms = 4 if ARGS.smoke else torch.cuda.get_device_properties(0).multi_processor_count
+    sets = [torch.ones(n, dtype=torch.int32, device=DEVICE) for _ in range(rotations(nbytes))]
+    best = math.inf
+    for per_sm in (1, 2, 4, 8):
+        out = torch.empty(sms * per_sm * block, dtype=torch.int32, device=DEVICE)
+        calls = [lambda x=x: _read_kernel[(sms * per_sm,)](x, out, n, BLOCK=block, num_warps=8) for x in sets]
+        best = min(best, graph_time(calls))
+    return best
+
+
 def rotations(bytes_per_set: int) -> int:
     l2 = 0 if ARGS.smoke else torch.cuda.get_device_properties(0).L2_cache_size
     return max(1, min(16, math.ceil(4 * l2 / bytes_per_set)))
@@ -275,6 +303,7 @@ def bench_decode(shape: str, batch: int, context: int, copy_gbps: float, fast_ok
     configs = sweep_configs(batch, d, fast_ok)
     times, queries = time_configs(batch, hq, heads, d, n_hist, configs)
     sdpa_ms, sdpa_kind = sdpa_time(queries, batch, heads, context, d)
+    read_ms = read_time(size)
     rows = []
     for c, (kernel_ms, eager_ms) in zip(configs, times):
         gbps = size / (kernel_ms * 1e-3) / 1e9
@@ -284,11 +313,12 @@ def bench_decode(shape: str, batch: int, context: int, copy_gbps: float, fast_ok
                      "fast_unpack": c.fast_unpack, "kernel_ms": kernel_ms, "eager_ms": eager_ms, "GBps": gbps,
                      "frac_copy_bw": gbps / copy_gbps, "sdpa_ms": sdpa_ms, "sdpa_kind": sdpa_kind,
                      "sdpa_GBps": sdpa_size / (sdpa_ms * 1e-3) / 1e9, "speedup_vs_sdpa": sdpa_ms / kernel_ms,
+                     "read_ms": read_ms, "read_frac_copy_bw": size / (read_ms * 1e-3) / 1e9 / copy_gbps,
                      "rotations": rotations(size)})
     best = min(rows, key=lambda r: r["kernel_ms"])
     print(f"{shape:16s} B={batch:<3d} T={context:<7d} {best['kernel_ms']:8.4f} ms {best['GBps']:7.0f} GB/s "
           f"{100 * best['frac_copy_bw']:5.1f}% copy  sdpa {sdpa_ms:8.4f} ms ({sdpa_kind}) "
-          f"x{best['speedup_vs_sdpa']:5.2f}  "
+          f"x{best['speedup_vs_sdpa']:5.2f}  read-only {100 * best['read_frac_copy_bw']:5.1f}%  "
           f"eager {best['eager_ms']:.4f} ms  [{best['block_n']}/{best['warps']}w/{best['stages']}s/"
           f"pps{best['pps']}/reg{best['max_registers']}/{'ptx' if best['fast_unpack'] else 'plain'}]")
     return rows

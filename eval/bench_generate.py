@@ -14,6 +14,9 @@ Methods (--methods):
 * ``oscar-compiled``: the same with ``max_cache_len=T+N``: static buffers, device-side counts and a fixed mask size
   make the cache compileable, and its one-token update and attention are device-only operators, so generate
   compiles the whole decode forward into one graph (inductor, "reduce-overhead": one CUDA graph per step);
+* ``oscar-absorbed-compiled``: ``oscar-compiled`` after ``absorb_value_rotation(model, rotations)`` folds R_V into
+  v_proj and o_proj (in place; the random weights stay random weights of the same shapes, so the methods after it
+  time the same model): the cache then runs no V rotation GEMMs per step;
 * ``oscar-k4-compiled``: ``oscar-compiled`` with ``key_bits=4`` (INT4 K, INT2 V);
 * ``bf16-dynamic``: ``DynamicCache(config=model.config)``, eager;
 * ``bf16-static-compiled``: ``StaticCache(config=model.config, max_cache_len=...)``, the cache that
@@ -86,7 +89,7 @@ from transformers import (
     StaticCache,
 )
 
-from oscar_hf import ModelShape, OscarConfig, OscarQuantizedCache, OscarRotations
+from oscar_hf import ModelShape, OscarConfig, OscarQuantizedCache, OscarRotations, absorb_value_rotation
 from oscar_hf.evaluation.environment import GIB, device_slug, environment
 
 START = time.perf_counter()
@@ -153,10 +156,13 @@ class Method:
             return False
 
 
-def _oscar(model: torch.nn.Module, tokens: int, static: bool = False, key_bits: int | None = None
-           ) -> OscarQuantizedCache:
-    return OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model,
-                                               max_cache_len=tokens if static else None, key_bits=key_bits)
+def _oscar(model: torch.nn.Module, tokens: int, static: bool = False, key_bits: int | None = None,
+           absorb: bool = False) -> OscarQuantizedCache:
+    rotations = OscarRotations.hadamard(model.config)
+    if absorb:  # R_V folded into v_proj/o_proj: random weights stay random weights of the same shapes
+        rotations = absorb_value_rotation(model, rotations)
+    return OscarQuantizedCache.from_pretrained(rotations, model=model, max_cache_len=tokens if static else None,
+                                               key_bits=key_bits)
 
 
 def _quantized(backend: str) -> Callable:
@@ -166,6 +172,8 @@ def _quantized(backend: str) -> Callable:
 METHODS = {m.name: m for m in (
     Method("oscar", "oscar", _oscar, lambda shape, tokens: OscarConfig().bits_per_element(shape.head_dim, tokens)),
     Method("oscar-compiled", "oscar", functools.partial(_oscar, static=True),
+           lambda shape, tokens: OscarConfig().bits_per_element(shape.head_dim, tokens)),
+    Method("oscar-absorbed-compiled", "oscar", functools.partial(_oscar, static=True, absorb=True),
            lambda shape, tokens: OscarConfig().bits_per_element(shape.head_dim, tokens)),
     Method("oscar-k4-compiled", "oscar", functools.partial(_oscar, static=True, key_bits=4),
            lambda shape, tokens: OscarConfig(key_bits=4).bits_per_element(shape.head_dim, tokens)),

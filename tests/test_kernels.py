@@ -126,13 +126,15 @@ class Attn(torch.nn.Module):
         self.num_key_value_groups, self.is_causal = groups, True
 
 
-def filled_layer(batch, heads, dim, n_history, dtype, *, sink=4, recent=8, pads=(), seed=0, **config):
+def filled_layer(batch, heads, dim, n_history, dtype, *, sink=4, recent=8, pads=(), seed=0, key_ramp=0.0, **config):
     """An OscarLayer holding ``sink ‖ n_history quantized ‖ recent`` tokens after a prefill and one decode step,
-    the returned handles being those of the decode step. Left-padded positions hold huge K/V, so any leak shows."""
+    the returned handles being those of the decode step. Left-padded positions hold huge K/V, so any leak shows;
+    ``key_ramp`` scales the keys up along the sequence (to ``1 + key_ramp`` times), so the logits' max keeps rising."""
     cfg = OscarConfig(sink_tokens=sink, recent_tokens=recent, flush_tokens=1, backend="torch", **config)
     layer = OscarLayer(cfg, torch.eye(dim), torch.eye(dim))
     total = sink + n_history + recent  # flush_tokens=1: every token past the windows is demoted at once
     kv = randn(2, batch, heads, total, dim, seed=seed)
+    kv[0] *= 1 + key_ramp * torch.linspace(0, 1, total, device=kv.device)[:, None]
     for row, pad in enumerate(pads):
         kv[:, row, :, :pad] = 30.0
     key, value = kv.to(dtype).unbind(0)
@@ -206,6 +208,14 @@ def test_decode_many_splits_and_partial_tiles():
     check_decode(2, 2, 4, 128, 301, torch.float16, config=config, sink=40, recent=70, pads=(0, 45))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=DTYPE_IDS.get)
+def test_decode_running_max_rises_along_one_split(dtype):
+    """One history split of 32 tiles whose logits' max keeps rising (keys up to 25x larger), so the lazily rescaled
+    running max moves mid-split, by more and by less than its slack (bf16: 8 in log2 units; fp16: 0)."""
+    config = DecodeConfig(block_n=32, min_split_bytes=1 << 30)
+    check_decode(1, 1, 4, 128, 1000, dtype, config=config, key_ramp=24.0, pads=(5,))
+
+
 @pytest.mark.parametrize("q_len, groups, dim, dtype, masked", [
     (2, 4, 128, torch.bfloat16, False), (4, 4, 64, torch.float16, True), (7, 2, 128, torch.float16, True),
     (3, 8, 256, torch.bfloat16, True),
@@ -251,7 +261,7 @@ def test_decode_merge_of_many_splits():
     part_o[0, ::3] = 1e4
     part_lse[2] = float("-inf")
     out = torch.empty(rows, dim, dtype=torch.bfloat16, device=DEVICE)
-    _decode_stage2_kernel[(rows, dim // 32)](part_o, part_lse, out, splits, D=dim, BLOCK_D=32, BLOCK_S=128)
+    _decode_stage2_kernel[(rows, dim // 32)](part_o, part_lse, out, splits, D=dim, BLOCK_D=32, BLOCK_S=128, PDL=False)
     weights = torch.softmax(part_lse[:2] * math.log(2), dim=-1)
     want = torch.einsum("rs,rsd->rd", weights, part_o[:2])
     torch.testing.assert_close(out[:2].float(), want, rtol=1e-2, atol=1e-2)

@@ -8,7 +8,7 @@ per group) over one chunk of the sequence, with a one-pass online softmax in bas
 partial output and its log-sum-exp. History chunks put the tokens on the tensor cores' big dimensions (logits
 ``[tokens, g]`` = K codes · qᵀ, output ᵀ = V codesᵀ · p, the ``g`` query heads padded to ``BLOCK_G >= 8``
 columns), so a program of one warp owns whole rows of tokens; sink/recent chunks use q as the rows (padded to
-``BLOCK_H >= 16``). History chunks (packed codes) are sized so that they number about ``programs_per_sm``
+``BLOCK_H >= 16``). History chunks (packed codes) are sized so that they fill one wave of ``programs_per_sm``
 programs per SM; sink/recent chunks (model dtype) are two tiles each and come first in the grid. Stage 2 (grid
 ``B·Hq × D/32``) merges the chunks by log-sum-exp.
 
@@ -27,9 +27,14 @@ element loop (per token and group):
 * K: the logit accumulator starts at ``-M·Σ(q/f)``, so the dots leave ``q·c`` and
   ``logit = s·(q·c) + z·Σq``;
 * V: the tensor cores accumulate ``(p·s)·(M + c·f)`` with ``p·s`` rounded to the dot dtype; per token group
-  ``Σ p·s`` and ``Σ p·(z + c̄·s) - c̄·Σ p·s`` (c̄ the middle code; the same rounded ``p·s``) are kept, and the
-  output is ``(acc - M·Σ p·s)/f + Σ p·(z + c̄·s) - c̄·Σ p·s``: the offset cancels up to fp32 accumulation, and
-  the rounding of ``p·s`` weighs ``|c - c̄|``.
+  ``Σ p·s`` (the same rounded ``p·s``) and ``Σ p·(z + c̄·s)`` (c̄ the middle code) are kept, and the output is
+  ``(acc - M·Σ p·s)/f + Σ p·(z + c̄·s) - c̄·Σ p·s``: the offset cancels up to fp32 accumulation, and the rounding
+  of ``p·s`` weighs ``|c - c̄|``.
+
+History tiles also skip work the softmax does not need: whole tiles run without bounds checks (the last, partial
+one separately), logits stay in raw units (the scale goes into ``exp2``'s argument), and the running max is
+rescaled lazily: only when a tile's max exceeds it by more than 8 (log2 units; p stays ≤ 256, in bf16's range),
+which after the first tiles is rare. fp16 rescales at every larger max (its p·s could overflow).
 
 Centering (the history holds ``x - μ``, ``μ`` one fp32 vector per row and KV head): history logits get
 ``q·μ_K`` (once per program), and a history split's output gets ``(Σ p)·μ_V`` when it is normalised.
@@ -61,25 +66,28 @@ MAX_QUERY_ROWS = 32  # query heads x query tokens per program of a several-token
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Launch parameters of stage 1: history tile tokens, warps, pipeline stages, programs per SM to aim for, and
-    whether codes are unpacked by inline PTX (GPU only, the interpreter runs the plain path)."""
+    """Launch parameters of stage 1: history tile tokens, warps, pipeline stages, programs per SM to aim for,
+    whether codes are unpacked by inline PTX and stage 2 is launched early (GPU only: the interpreter runs the plain
+    path)."""
 
     block_n: int = 64
     num_warps: int = 1
     num_stages: int = 3
     programs_per_sm: int = 16
     fast_unpack: bool = True
+    pdl: bool = True  # stage 2 launched early (programmatic dependent launch, sm_90+) and waiting for stage 1
     min_split_bytes: int = 8 * 1024  # a split should read at least this much, so its partial output stays cheap
     max_registers: int | None = None  # ptxas register cap per thread (more programs per SM, some spills)
 
 
 def default_config(batch: int, head_dim: int) -> DecodeConfig:
-    """One warp per program (its reductions over tokens never leave the warp) and many programs per SM; from H100
-    sweeps (D=128 at B=1, 8, 32 and T=32K, 128K; D=64 and 256 at B=8, T=32K): 64-token tiles (32 at D=256),
-    3 stages, 16 programs per SM, 8 at batch 1 (one wave of equal programs), and at D=128 at most 168 registers
-    (12 warps fit on an SM)."""
+    """One warp per program (its reductions over tokens never leave the warp); from H100 sweeps (D=128 at B=1, 8,
+    32 and T=32K, 128K; D=64 and 256 at B=8, T=32K): 64-token tiles (32 at D=256), 3 stages, at D <= 128 at most
+    168 registers, and as many programs per SM as fit at once (one wave; sm_90 SASS: 168 registers, 12 one-warp
+    programs; 255 at D=256, 8), but 8 at batch 1 (fewer, longer programs: 3-4% faster there)."""
     return DecodeConfig(block_n=64 if head_dim <= 128 else 32, num_warps=1, num_stages=3,
-                        programs_per_sm=8 if batch == 1 else 16, max_registers=168 if head_dim == 128 else None)
+                        programs_per_sm=8 if batch == 1 or head_dim > 128 else 12,
+                        max_registers=168 if head_dim <= 128 else None)
 
 
 @triton.jit
@@ -185,6 +193,93 @@ def _meta(ks, kz, vs, vz, n, live, stride_sn, NG: tl.constexpr):
 
 
 @triton.jit
+def _codes_tile(
+    state, start, hi, pos0, kc, ks, kz, vc, vs, vz, stride_sn, mask_row, stride_mq, stride_mt, qk_scale, q_mu, query,
+    qts, qsums, q_offs, K_BITS: tl.constexpr, V_BITS: tl.constexpr, GROUP: tl.constexpr, W_K: tl.constexpr,
+    W_V: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, Q_LEN: tl.constexpr, DT: tl.constexpr,
+    MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr, MANTISSA: tl.constexpr, FAST_UNPACK: tl.constexpr,
+    FP32_DOT: tl.constexpr, MASKED: tl.constexpr,
+):
+    """One history tile of :func:`_attend_codes` at tokens ``start + [0, BLOCK_N)`` (MASKED: those below ``hi``;
+    else all of them). ``state``: m (in raw logit units), den, per group Σ p·s and Σ p·(z + c̄·s), the outputs, and
+    the prefetched scale/zero and mask bytes of this tile; returns the next state.
+
+    Lazy rescaling: the running max moves only when a tile's max exceeds it by more than SLACK (so p ≤ 2**SLACK);
+    bf16 has the range for that, while fp16's p·s could overflow, so there it moves with every larger max."""
+    HW_K: tl.constexpr = qts[0].shape[0]
+    HW_V: tl.constexpr = W_V if W_V < 32 else W_V // 2
+    BLOCK_G: tl.constexpr = qts[0].shape[1]
+    NB_K: tl.constexpr = 8 // K_BITS
+    NB_V: tl.constexpr = 8 // V_BITS
+    NP_K: tl.constexpr = len(qts)
+    NP_V: tl.constexpr = NB_V * W_V // HW_V
+    NG: tl.constexpr = W_K * NB_K // GROUP
+    CENTER: tl.constexpr = ((1 << V_BITS) - 1) / 2
+    SLACK: tl.constexpr = 8.0 if DT == tl.bfloat16 else 0.0
+    m, den, pss, pzs, accs, meta, mask_here = state
+    k_col = tl.arange(0, HW_K)
+    v_col = tl.arange(0, HW_V)
+    n = start + tl.arange(0, BLOCK_N)
+    n_next = n + BLOCK_N
+    meta_next = _meta(ks, kz, vs, vz, n_next, n_next < hi, stride_sn, NG)
+    mask_next = _mask_tile(mask_row, stride_mq, stride_mt, pos0 + n_next, n_next < hi, query, HAS_MASK, Q_LEN)
+    if MASKED:
+        inside = n < hi
+        kh = tl.load(kc + n[:, None] * HW_K + k_col[None, :], mask=inside[:, None], other=0)  # [BLOCK_N, HW_K]
+        vh = tl.load(vc + n[None, :] * HW_V + v_col[:, None], mask=inside[None, :], other=0)  # [HW_V, BLOCK_N]
+    else:
+        kh = tl.load(kc + n[:, None] * HW_K + k_col[None, :])
+        vh = tl.load(vc + n[None, :] * HW_V + v_col[:, None])
+    logits = q_mu[None, :]  # raw units (qk_scale goes into exp2): logit = s·(q·c) + z·Σq + q·μ_K
+    for g in tl.static_range(NG):
+        qk = tl.zeros([BLOCK_N, BLOCK_G], tl.float32) + q_offs[g][None, :]
+        for P in tl.static_range(NP_K):
+            if P % NB_K * W_K // GROUP == g:
+                kq = _unpack(kh, P, K_BITS, MANTISSA, W_K, DT, MAGIC_BITS, FAST_UNPACK)
+                qk = _dot(kq, qts[P], qk, FP32_DOT)
+        logits = qk * meta[4 * g].to(tl.float32)[:, None] + (meta[4 * g + 1].to(tl.float32)[:, None]
+                                                             * qsums[g][None, :] + logits)
+    if MASKED:
+        logits = tl.where(n[:, None] < hi, logits, float("-inf"))
+    if HAS_MASK:
+        logits = tl.where(mask_here != 0, logits, float("-inf"))
+    tile_max = tl.max(logits, axis=0)
+    if tl.max(tile_max - m, axis=0) * qk_scale > SLACK:  # rare once the running max has settled
+        m_new = tl.maximum(m, tile_max)
+        alpha = tl.exp2((m - m_new) * qk_scale)
+        den = den * alpha
+        new_pss = ()
+        new_pzs = ()
+        for gr in tl.static_range(NG):
+            new_pss = new_pss + (pss[gr] * alpha,)
+            new_pzs = new_pzs + (pzs[gr] * alpha,)
+        pss = new_pss
+        pzs = new_pzs
+        new_accs = ()
+        for pr in tl.static_range(NP_V):
+            new_accs = new_accs + (accs[pr] * alpha[None, :],)
+        accs = new_accs
+        m = m_new
+    prob = tl.exp2(logits * qk_scale - (m * qk_scale)[None, :])  # at most 2**SLACK
+    den += tl.sum(prob, axis=0)
+    new_pss = ()
+    new_pzs = ()
+    ps_groups = ()
+    for g in tl.static_range(NG):
+        s = meta[4 * g + 2].to(tl.float32)
+        mid = meta[4 * g + 3].to(tl.float32) + CENTER * s
+        ps = (prob * s[:, None]).to(DT, fp_downcast_rounding="rtne")  # the rounding then weighs |code - CENTER|
+        new_pss = new_pss + (pss[g] + tl.sum(ps.to(tl.float32), axis=0),)
+        new_pzs = new_pzs + (pzs[g] + tl.sum(prob * mid[:, None], axis=0),)
+        ps_groups = ps_groups + (ps,)
+    new_accs = ()
+    for P in tl.static_range(NP_V):
+        vq = _unpack(vh, P, V_BITS, MANTISSA, W_V, DT, MAGIC_BITS, FAST_UNPACK)
+        new_accs = new_accs + (_dot(vq, ps_groups[P % NB_V * W_V // GROUP], accs[P], FP32_DOT),)
+    return m, den, new_pss, new_pzs, new_accs, meta_next, mask_next
+
+
+@triton.jit
 def _attend_codes(
     qps, lo, hi, pos0, kc, ks, kz, vc, vs, vz, stride_sn, mask_row, stride_mq, stride_mt,
     qk_scale, q_mu, query, K_BITS: tl.constexpr, V_BITS: tl.constexpr, GROUP: tl.constexpr, W_K: tl.constexpr,
@@ -234,7 +329,7 @@ def _attend_codes(
                 offset -= MAGIC_VALUE * tl.sum(qts[P].to(tl.float32), axis=0)
         qsums = qsums + (total,)
         q_offs = q_offs + (offset,)
-    pss = ()  # per group: Σ p·s (as rounded for the dots), and Σ p·(z + c̄·s) - c̄·Σ p·s
+    pss = ()  # per group: Σ p·s (as rounded for the dots), and Σ p·(z + c̄·s)
     pzs = ()
     for g in tl.static_range(NG):
         pss = pss + (tl.zeros([BLOCK_G], tl.float32),)
@@ -247,56 +342,28 @@ def _attend_codes(
     n_next = lo + tl.arange(0, BLOCK_N)
     meta_next = _meta(ks, kz, vs, vz, n_next, n_next < hi, stride_sn, NG)
     mask_next = _mask_tile(mask_row, stride_mq, stride_mt, pos0 + n_next, n_next < hi, query, HAS_MASK, Q_LEN)
-    for start in range(lo, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        inside = n < hi
-        meta = meta_next
-        live = inside[:, None] & (mask_next != 0)  # [BLOCK_N, 1 or BLOCK_G]
-        n_next = n + BLOCK_N
-        meta_next = _meta(ks, kz, vs, vz, n_next, n_next < hi, stride_sn, NG)
-        mask_next = _mask_tile(mask_row, stride_mq, stride_mt, pos0 + n_next, n_next < hi, query, HAS_MASK, Q_LEN)
-        kh = tl.load(kc + n[:, None] * HW_K + k_col[None, :], mask=inside[:, None], other=0)  # [BLOCK_N, HW_K]
-        vh = tl.load(vc + n[None, :] * HW_V + v_col[:, None], mask=inside[None, :], other=0)  # [HW_V, BLOCK_N]
-        logits = tl.zeros([BLOCK_N, BLOCK_G], tl.float32) + q_mu[None, :]
-        for g in tl.static_range(NG):
-            qk = tl.zeros([BLOCK_N, BLOCK_G], tl.float32) + q_offs[g][None, :]
-            for P in tl.static_range(NP_K):
-                if P % NB_K * W_K // GROUP == g:
-                    kq = _unpack(kh, P, K_BITS, MANTISSA, W_K, DT, MAGIC_BITS, FAST_UNPACK)
-                    qk = _dot(kq, qts[P], qk, FP32_DOT)
-            s = meta[4 * g].to(tl.float32) * qk_scale
-            z = meta[4 * g + 1].to(tl.float32) * qk_scale
-            logits += qk * s[:, None] + z[:, None] * qsums[g][None, :]
-        logits = tl.where(live, logits, float("-inf"))
-        m_new = tl.maximum(m, tl.max(logits, axis=0))
-        alpha = tl.exp2(m - m_new)
-        prob = tl.exp2(logits - m_new[None, :])
-        den = den * alpha + tl.sum(prob, axis=0)
-        m = m_new
-        new_pss = ()
-        new_pzs = ()
-        ps_groups = ()
-        for g in tl.static_range(NG):
-            s = meta[4 * g + 2].to(tl.float32)
-            mid = meta[4 * g + 3].to(tl.float32) + CENTER * s
-            ps = (prob * s[:, None]).to(DT, fp_downcast_rounding="rtne")  # the rounding then weighs |code - CENTER|
-            ps32 = ps.to(tl.float32)
-            new_pss = new_pss + (pss[g] * alpha + tl.sum(ps32, axis=0),)
-            new_pzs = new_pzs + (pzs[g] * alpha + tl.sum(prob * mid[:, None] - CENTER * ps32, axis=0),)
-            ps_groups = ps_groups + (ps,)
-        pss = new_pss
-        pzs = new_pzs
-        new_accs = ()
-        for P in tl.static_range(NP_V):
-            vq = _unpack(vh, P, V_BITS, MANTISSA, W_V, DT, MAGIC_BITS, FAST_UNPACK)
-            new_accs = new_accs + (_dot(vq, ps_groups[P % NB_V * W_V // GROUP], accs[P] * alpha[None, :], FP32_DOT),)
-        accs = new_accs
+    state = (m, den, pss, pzs, accs, meta_next, mask_next)
+    full = lo + (hi - lo) // BLOCK_N * BLOCK_N
+    for start in range(lo, full, BLOCK_N):  # whole tiles: no bounds checks
+        state = _codes_tile(state, start, hi, pos0, kc, ks, kz, vc, vs, vz, stride_sn, mask_row, stride_mq, stride_mt,
+                            qk_scale, q_mu, query, qts, qsums, q_offs, K_BITS, V_BITS, GROUP, W_K, W_V, BLOCK_N,
+                            HAS_MASK, Q_LEN, DT, MAGIC_BITS, MAGIC_VALUE, MANTISSA, FAST_UNPACK, FP32_DOT, False)
+    for start in tl.range(full, hi, BLOCK_N, num_stages=1):  # the last, partial tile
+        state = _codes_tile(state, start, hi, pos0, kc, ks, kz, vc, vs, vz, stride_sn, mask_row, stride_mq, stride_mt,
+                            qk_scale, q_mu, query, qts, qsums, q_offs, K_BITS, V_BITS, GROUP, W_K, W_V, BLOCK_N,
+                            HAS_MASK, Q_LEN, DT, MAGIC_BITS, MAGIC_VALUE, MANTISSA, FAST_UNPACK, FP32_DOT, True)
+    m = state[0]
+    den = state[1]
+    pss = state[2]
+    pzs = state[3]
+    accs = state[4]
     out = ()
     for P in tl.static_range(NP_V):  # (acc - M·Σ p·s) / f + Σ p·(z + c̄·s) - c̄·Σ p·s
         inv_f = _position(v_col, P, V_BITS, MANTISSA, W_V)[0]
-        out = out + ((accs[P] - MAGIC_VALUE * pss[P % NB_V * W_V // GROUP][None, :]) * inv_f
-                     + pzs[P % NB_V * W_V // GROUP][None, :],)
-    return m, den, out
+        ps_sum = pss[P % NB_V * W_V // GROUP]
+        out = out + ((accs[P] - MAGIC_VALUE * ps_sum[None, :]) * inv_f
+                     + (pzs[P % NB_V * W_V // GROUP] - CENTER * ps_sum)[None, :],)
+    return m * qk_scale, den, out
 
 
 @triton.jit
@@ -350,7 +417,7 @@ def _decode_stage1_kernel(
     V_BITS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, HAS_MASK: tl.constexpr, Q_LEN: tl.constexpr,
     CENTERED: tl.constexpr, DT: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr,
-    MANTISSA: tl.constexpr, FAST_UNPACK: tl.constexpr, FP32_DOT: tl.constexpr,
+    MANTISSA: tl.constexpr, FAST_UNPACK: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr,
 ):
     """Query row ``c = r·Q_LEN + t`` of a program is query head ``h·G_Q + r`` at query token ``t``; its partial
     output and lse go to row ``(b·Hq + h·G_Q + r)·Q_LEN + t``."""
@@ -360,6 +427,8 @@ def _decode_stage1_kernel(
     HW_V: tl.constexpr = W_V if W_V < 32 else W_V // 2  # than one MMA K in halfwords (D = 64 at 2 bits)
     W: tl.constexpr = W_V  # the window chunks' channel sub-tiles
     WIN_CHUNK: tl.constexpr = WINDOW_TILES * BLOCK_W
+    if PDL:  # stage 2 may launch now; it waits for this grid to finish before it reads the partials
+        tl.extra.cuda.gdc_launch_dependents()
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -377,14 +446,13 @@ def _decode_stage1_kernel(
         k_col = tl.arange(0, HW_K)
         mu_k = mu_k_ptr + b * stride_mu_b + h * stride_mu_h
         qps = ()
-        q_mu = tl.zeros([BLOCK_G], tl.float32)  # q·μ_K, in logit units
+        q_mu = tl.zeros([BLOCK_G], tl.float32)  # q·μ_K
         for P in tl.static_range(8 // K_BITS * W_K // HW_K):
             ch = _position(k_col, P, K_BITS, MANTISSA, W_K)[1]
             qp = tl.load(q_cols[None, :] + ch[:, None], mask=keep[None, :], other=0.0)
             qps = qps + (qp,)
             if CENTERED:
                 q_mu += tl.sum(qp.to(tl.float32) * tl.load(mu_k + ch)[:, None], axis=0)
-        q_mu = q_mu * qk_scale
         hist_chunk = tl.cdiv(tl.cdiv(n_hist, hist_splits), BLOCK_N) * BLOCK_N
         lo = (split - win_splits) * hist_chunk
         meta_off = b * stride_zb + h * stride_zh
@@ -454,9 +522,12 @@ def _window_split(
 
 @triton.jit(do_not_specialize=["total_splits"])
 def _decode_stage2_kernel(part_o_ptr, part_lse_ptr, out_ptr, total_splits, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                          BLOCK_S: tl.constexpr):
+                          BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     """Merge the splits of one (batch, query head) by log-sum-exp over BLOCK_D output channels (grid
-    ``B·Hq × D/BLOCK_D``), BLOCK_S splits per step with an online max. Rows with no valid key give 0."""
+    ``B·Hq × D/BLOCK_D``), BLOCK_S splits per step with an online max (one step for up to 256 splits: each step
+    waits on its loads). Rows with no valid key give 0."""
+    if PDL:  # launched early: wait until stage 1 has finished and its writes are visible
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     m = -1.0e30  # finite: a step of empty splits leaves alpha = 1 and w = 0
@@ -482,11 +553,18 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def plan_splits(batch_heads: int, n_hist: int, hist_bytes: int, cfg: DecodeConfig, sm_count: int) -> int:
-    """Tokens per history chunk (``hist_bytes``: K + V bytes per token), so that the history programs number about
-    ``programs_per_sm · sm_count`` (fewer when a chunk would read less than ``min_split_bytes``)."""
-    splits = max(1, min(triton.cdiv(cfg.programs_per_sm * sm_count, batch_heads),
-                        n_hist * hist_bytes // cfg.min_split_bytes))
+def plan_splits(batch_heads: int, n_hist: int, hist_bytes: int, cfg: DecodeConfig, sm_count: int,
+                window_programs: int = 0) -> int:
+    """Tokens per history chunk (``hist_bytes``: K + V bytes per token), so that the history programs fill one wave
+    of ``programs_per_sm · sm_count`` programs without spilling into a second (fewer when a chunk would read less
+    than ``min_split_bytes``). The ``window_programs`` (short sink/recent chunks, first in the grid) take slots of
+    that wave: the history programs leave them room when that costs at most a tenth of the splits, else they start
+    as the window programs finish."""
+    slots = cfg.programs_per_sm * sm_count
+    splits = max(1, slots // batch_heads)
+    if splits * batch_heads + window_programs > slots and (slots - window_programs) // batch_heads >= 0.9 * splits:
+        splits = (slots - window_programs) // batch_heads
+    splits = max(1, min(splits, n_hist * hist_bytes // cfg.min_split_bytes))
     return max(1, triton.cdiv(triton.cdiv(n_hist, splits), cfg.block_n)) * cfg.block_n
 
 
@@ -533,11 +611,14 @@ def plan(layer, batch: int, lengths: tuple[int, int, int] | None = None, config:
     n_sink, n_hist, n_recent = lengths or (sink.capacity, hist.capacity, recent.capacity)
     hist_bytes = sum(hist[f"{side}_codes"].shape[-1] + 2 * hist[f"{side}_scale"].shape[-1]
                      * hist[f"{side}_scale"].element_size() for side in ("key", "value"))
-    hist_chunk = plan_splits(batch * sink["key"].shape[1], n_hist, hist_bytes, config or default_config(batch, d),
-                             _sm_count(sink["key"].device))
+    heads = batch * sink["key"].shape[1]
     win_chunk = WINDOW_TILES.value * WINDOW_BLOCK[d]
-    hist_splits, sink_splits = triton.cdiv(n_hist, hist_chunk), triton.cdiv(n_sink, win_chunk)
-    return [hist_splits, sink_splits, hist_splits + sink_splits + triton.cdiv(n_recent, win_chunk)]
+    sink_splits, window_splits = triton.cdiv(n_sink, win_chunk), triton.cdiv(n_sink, win_chunk) + triton.cdiv(
+        n_recent, win_chunk)
+    hist_chunk = plan_splits(heads, n_hist, hist_bytes, config or default_config(batch, d),
+                             _sm_count(sink["key"].device), heads * window_splits)
+    hist_splits = triton.cdiv(n_hist, hist_chunk)
+    return [hist_splits, sink_splits, hist_splits + window_splits]
 
 
 def layer_tensors(layer) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
@@ -577,6 +658,8 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
     out = torch.empty(batch, hq, q_len, d, dtype=query.dtype, device=query.device)
     scaling = d**-0.5 if scaling is None else scaling
     interpreting = triton.knobs.runtime.interpret
+    pdl = (cfg.pdl and query.device.type == "cuda" and not interpreting
+           and torch.cuda.get_device_capability(query.device)[0] >= 9)
     history = [t.view(torch.int16) if t.dtype == torch.uint8 and t.shape[-1] >= 32 else t for t in history]
     if any(t.stride(2) != t.shape[3] for t in history[::3]):
         raise ValueError("decode reads code rows of contiguous halfwords; got strides "
@@ -599,11 +682,12 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
             GROUP=group, BLOCK_N=cfg.block_n, BLOCK_W=WINDOW_BLOCK[d], HAS_MASK=attention_mask is not None,
             Q_LEN=q_len, CENTERED=bool(center), DT=dt, MAGIC_BITS=magic_bits, MAGIC_VALUE=magic_value,
             MANTISSA=mantissa, FAST_UNPACK=cfg.fast_unpack and not interpreting,
-            FP32_DOT=dt == tl.bfloat16 and interpreting, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            FP32_DOT=dt == tl.bfloat16 and interpreting, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **({"maxnreg": cfg.max_registers} if cfg.max_registers and not interpreting else {}),
         )
-        _decode_stage2_kernel[(batch * hq * q_len, d // 32)](part_o, part_lse, out, total, D=d, BLOCK_D=32, BLOCK_S=128,
-                                                     num_warps=4)
+        _decode_stage2_kernel[(batch * hq * q_len, d // 32)](part_o, part_lse, out, total, D=d, BLOCK_D=32,
+                                                             BLOCK_S=min(256, triton.next_power_of_2(total)),
+                                                             PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out.transpose(1, 2)
 
 
