@@ -252,6 +252,21 @@ def test_decode_several_query_tokens(q_len, groups, dim, dtype, masked):
     assert not triton_decode.kernel_supports(too_many, layer, None)  # more than the recent window
 
 
+@pytest.mark.parametrize("batch, tokens, windows_in_wave", [
+    (1, 131072, True), (1, 4096, True), (8, 4096, True), (8, 32768, False), (32, 32768, False)])
+def test_history_chunks_fill_one_wave(batch, tokens, windows_in_wave):
+    """Qwen3-8B shapes on 132 SMs: whole-tile chunks whose programs fit one wave; the window programs (5 per head)
+    share it when that costs at most a tenth of the splits (batch 8 at 4K: 20 splits would spill 16 programs into a
+    second wave, 15 do not), else the history programs alone fill it."""
+    cfg, heads, n_hist = triton_decode.default_config(batch, 128), batch * 8, tokens - 320
+    slots, windows = cfg.programs_per_sm * 132, batch * 8 * 5
+    chunk = triton_decode.plan_splits(heads, n_hist, 2 * (32 + 4), cfg, 132, windows)
+    programs = math.ceil(n_hist / chunk) * heads
+    assert chunk % cfg.block_n == 0 and programs <= slots
+    assert (programs + windows <= slots) == windows_in_wave
+    assert programs >= 0.8 * (slots - windows if windows_in_wave else slots) or chunk * 72 < 4 * cfg.min_split_bytes
+
+
 def test_decode_merge_of_many_splits():
     """Stage 2 over more splits than one step holds (300 > 128), with empty splits and a row with no valid key."""
     rows, splits, dim = 3, 300, 64

@@ -80,13 +80,14 @@ class DecodeConfig:
     max_registers: int | None = None  # ptxas register cap per thread (more programs per SM, some spills)
 
 
-def default_config(batch: int, head_dim: int) -> DecodeConfig:
+def default_config(batch: int, head_dim: int, query_len: int = 1) -> DecodeConfig:
     """One warp per program (its reductions over tokens never leave the warp); from H100 sweeps (D=128 at B=1, 8,
     32 and T=32K, 128K; D=64 and 256 at B=8, T=32K): 64-token tiles (32 at D=256), 3 stages, at D <= 128 at most
     168 registers, and as many programs per SM as fit at once (one wave; sm_90 SASS: 168 registers, 12 one-warp
-    programs; 255 at D=256, 8), but 8 at batch 1 (fewer, longer programs: 3-4% faster there)."""
+    programs; 255 at D=256, 8), but 8 for one query token at batch 1 (fewer, longer programs: 3-4% faster there;
+    a verify step's several tokens make each tile's work larger, and it keeps 12)."""
     return DecodeConfig(block_n=64 if head_dim <= 128 else 32, num_warps=1, num_stages=3,
-                        programs_per_sm=8 if batch == 1 or head_dim > 128 else 12,
+                        programs_per_sm=8 if (batch == 1 and query_len == 1) or head_dim > 128 else 12,
                         max_registers=168 if head_dim <= 128 else None)
 
 
@@ -555,17 +556,21 @@ def _sm_count(device: torch.device) -> int:
 
 def plan_splits(batch_heads: int, n_hist: int, hist_bytes: int, cfg: DecodeConfig, sm_count: int,
                 window_programs: int = 0) -> int:
-    """Tokens per history chunk (``hist_bytes``: K + V bytes per token), so that the history programs fill one wave
-    of ``programs_per_sm · sm_count`` programs without spilling into a second (fewer when a chunk would read less
-    than ``min_split_bytes``). The ``window_programs`` (short sink/recent chunks, first in the grid) take slots of
-    that wave: the history programs leave them room when that costs at most a tenth of the splits, else they start
-    as the window programs finish."""
+    """Tokens per history chunk (whole ``block_n`` tiles; ``hist_bytes``: K + V bytes per token), so that the
+    history programs fill one wave of ``programs_per_sm · sm_count`` programs without spilling into a second (fewer
+    when a chunk would read less than ``min_split_bytes``). The ``window_programs`` (short sink/recent chunks, first
+    in the grid) take slots of that wave: the history programs leave them room when that costs at most a tenth of
+    the splits, else they start as the window programs finish."""
+    def chunk(splits: int) -> int:
+        return max(1, triton.cdiv(triton.cdiv(n_hist, splits), cfg.block_n)) * cfg.block_n
+
     slots = cfg.programs_per_sm * sm_count
-    splits = max(1, slots // batch_heads)
-    if splits * batch_heads + window_programs > slots and (slots - window_programs) // batch_heads >= 0.9 * splits:
-        splits = (slots - window_programs) // batch_heads
-    splits = max(1, min(splits, n_hist * hist_bytes // cfg.min_split_bytes))
-    return max(1, triton.cdiv(triton.cdiv(n_hist, splits), cfg.block_n)) * cfg.block_n
+    tokens = chunk(max(1, min(slots // batch_heads, n_hist * hist_bytes // cfg.min_split_bytes)))
+    splits = triton.cdiv(n_hist, tokens)
+    room = (slots - window_programs) // batch_heads
+    if splits * batch_heads + window_programs > slots and room >= 0.9 * splits:
+        tokens = chunk(room)
+    return tokens
 
 
 def layer_supports(layer, dtype: torch.dtype, device: torch.device) -> bool:
@@ -599,8 +604,8 @@ def kernel_supports(query: torch.Tensor, layer, attention_mask: torch.Tensor | N
     )
 
 
-def plan(layer, batch: int, lengths: tuple[int, int, int] | None = None, config: DecodeConfig | None = None
-         ) -> list[int]:
+def plan(layer, batch: int, lengths: tuple[int, int, int] | None = None, config: DecodeConfig | None = None,
+         query_len: int = 1) -> list[int]:
     """``[history splits, sink splits, total splits]`` of stage 1 for an OscarLayer holding ``lengths``
     (sink, history, recent) tokens; None plans for its capacities, so that one launch serves every length (the
     kernel sizes its history chunks from the counts it reads). Splits are ordered sink, recent, history: the
@@ -615,7 +620,7 @@ def plan(layer, batch: int, lengths: tuple[int, int, int] | None = None, config:
     win_chunk = WINDOW_TILES.value * WINDOW_BLOCK[d]
     sink_splits, window_splits = triton.cdiv(n_sink, win_chunk), triton.cdiv(n_sink, win_chunk) + triton.cdiv(
         n_recent, win_chunk)
-    hist_chunk = plan_splits(heads, n_hist, hist_bytes, config or default_config(batch, d),
+    hist_chunk = plan_splits(heads, n_hist, hist_bytes, config or default_config(batch, d, query_len),
                              _sm_count(sink["key"].device), heads * window_splits)
     hist_splits = triton.cdiv(n_hist, hist_chunk)
     return [hist_splits, sink_splits, hist_splits + window_splits]
@@ -644,7 +649,7 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
     heads = sink_k.shape[1]
     group_q = hq // heads
     rows = group_q * q_len  # query rows per program
-    cfg = config or default_config(batch, d)
+    cfg = config or default_config(batch, d, q_len)
     dt, magic_bits, magic_value, mantissa = MAGIC[query.dtype]
     query = query if query.stride(-1) == 1 else query.contiguous()
     hist_splits, sink_splits, total = splits
@@ -717,11 +722,11 @@ def decode(
         ``[B, q, Hq, D]`` in the query dtype, in the rotated V basis.
     """
     if layer.counts_on_device:
-        counts, splits = layer.counts, plan(layer, query.shape[0], config=config)
+        counts, splits = layer.counts, plan(layer, query.shape[0], config=config, query_len=query.shape[2])
     else:
         lengths = (layer.n_sink, layer.n_history, layer.n_recent)
         counts = torch.tensor([*lengths, layer.recent_start], dtype=torch.int32, device=query.device)
-        splits = plan(layer, query.shape[0], lengths, config)
+        splits = plan(layer, query.shape[0], lengths, config, query.shape[2])
     windows, history, center = layer_tensors(layer)
     return _launch(query, windows, history, center, attention_mask, counts, scaling,
                    *layer.config.side_bits.values(), layer.group_size, splits, config)
