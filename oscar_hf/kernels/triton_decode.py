@@ -353,11 +353,7 @@ def _attend_codes(
         state = _codes_tile(state, start, hi, pos0, kc, ks, kz, vc, vs, vz, stride_sn, mask_row, stride_mq, stride_mt,
                             qk_scale, q_mu, query, qts, qsums, q_offs, K_BITS, V_BITS, GROUP, W_K, W_V, BLOCK_N,
                             HAS_MASK, Q_LEN, DT, MAGIC_BITS, MAGIC_VALUE, MANTISSA, FAST_UNPACK, FP32_DOT, True)
-    m = state[0]
-    den = state[1]
-    pss = state[2]
-    pzs = state[3]
-    accs = state[4]
+    m, den, pss, pzs, accs, _, _ = state
     out = ()
     for P in tl.static_range(NP_V):  # (acc - M·Σ p·s) / f + Σ p·(z + c̄·s) - c̄·Σ p·s
         inv_f = _position(v_col, P, V_BITS, MANTISSA, W_V)[0]
@@ -554,6 +550,12 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
+@lru_cache(maxsize=None)
+def _has_pdl(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can launch early (programmatic dependent launch: sm_90 and later)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def plan_splits(batch_heads: int, n_hist: int, hist_bytes: int, cfg: DecodeConfig, sm_count: int,
                 window_programs: int = 0) -> int:
     """Tokens per history chunk (whole ``block_n`` tiles; ``hist_bytes``: K + V bytes per token), so that the
@@ -618,8 +620,8 @@ def plan(layer, batch: int, lengths: tuple[int, int, int] | None = None, config:
                      * hist[f"{side}_scale"].element_size() for side in ("key", "value"))
     heads = batch * sink["key"].shape[1]
     win_chunk = WINDOW_TILES.value * WINDOW_BLOCK[d]
-    sink_splits, window_splits = triton.cdiv(n_sink, win_chunk), triton.cdiv(n_sink, win_chunk) + triton.cdiv(
-        n_recent, win_chunk)
+    sink_splits = triton.cdiv(n_sink, win_chunk)
+    window_splits = sink_splits + triton.cdiv(n_recent, win_chunk)
     hist_chunk = plan_splits(heads, n_hist, hist_bytes, config or default_config(batch, d, query_len),
                              _sm_count(sink["key"].device), heads * window_splits)
     hist_splits = triton.cdiv(n_hist, hist_chunk)
@@ -663,8 +665,7 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
     out = torch.empty(batch, hq, q_len, d, dtype=query.dtype, device=query.device)
     scaling = d**-0.5 if scaling is None else scaling
     interpreting = triton.knobs.runtime.interpret
-    pdl = (cfg.pdl and query.device.type == "cuda" and not interpreting
-           and torch.cuda.get_device_capability(query.device)[0] >= 9)
+    pdl = cfg.pdl and not interpreting and _has_pdl(query.device)
     history = [t.view(torch.int16) if t.dtype == torch.uint8 and t.shape[-1] >= 32 else t for t in history]
     if any(t.stride(2) != t.shape[3] for t in history[::3]):
         raise ValueError("decode reads code rows of contiguous halfwords; got strides "
