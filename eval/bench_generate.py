@@ -360,7 +360,8 @@ def replay_ms(recorder: ForwardRecorder, steps: int, device: torch.device) -> fl
 def kernel_times(recorder: ForwardRecorder, top: int, device: torch.device, calls: int = KERNEL_CALLS) -> list[str]:
     """Lines for the log: time per call of the recorded forward, in all and for its ``top`` longest kernels
     (torch.profiler over ``calls`` more replays; GPU time of CUDA kernels, or self CPU time of ops on the CPU; a
-    kernel launched n times per forward is one row, "x n")."""
+    kernel launched n times per forward is one row, "x n"). Kernel times are summed, so kernels that overlap
+    (stage 2 of the decode launches early and waits for stage 1) count twice."""
     cuda = device.type == "cuda"
     with torch.profiler.profile(activities=[getattr(torch.profiler.ProfilerActivity, "CUDA" if cuda else "CPU")]) as p:
         for _ in range(calls):
@@ -370,8 +371,9 @@ def kernel_times(recorder: ForwardRecorder, top: int, device: torch.device, call
     time_us = (lambda e: e.device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
     events = sorted((e for e in p.key_averages() if time_us(e) > 0), key=lambda e: -time_us(e))
     total = sum(map(time_us, events)) / calls / 1e3
+    overlap = " (summed: kernels that run at once, as the decode's two stages do, count twice)" if cuda else ""
     lines = [f"    {'GPU' if cuda else 'CPU'} time per forward {total:.3f} ms in "
-             f"{sum(e.count for e in events) // calls} {'kernels' if cuda else 'ops'}; longest:"]
+             f"{sum(e.count for e in events) // calls} {'kernels' if cuda else 'ops'}{overlap}; longest:"]
     return lines + [f"    {time_us(e) / calls / 1e3:8.3f} ms x{e.count // calls:4d}  {e.key[:100]}"
                     for e in events[:top]]
 
