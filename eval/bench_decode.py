@@ -250,7 +250,7 @@ def sweep_configs(batch: int, d: int, fast_ok: bool) -> list[DecodeConfig]:
         256: [(32, 1, 3), (16, 1, 3), (64, 1, 3), (32, 1, 2), (32, 1, 4), (32, 2, 3)],
     }[d]
     configs = [replace(base, block_n=n, num_warps=w, num_stages=s) for n, w, s in tiles]
-    configs += [replace(base, programs_per_sm=p) for p in (8, 12, 24, 32) if p != base.programs_per_sm]
+    configs += [replace(base, programs_per_sm=p, min_program_tiles=0) for p in (8, 10, 12, 24)]
     configs += [replace(base, max_registers=r) for r in (None, 168, 128) if r != base.max_registers]
     return configs + ([replace(base, fast_unpack=False)] if fast_ok else [])
 
@@ -309,7 +309,7 @@ def bench_decode(shape: str, batch: int, context: int, copy_gbps: float, fast_ok
         gbps = size / (kernel_ms * 1e-3) / 1e9
         rows.append({"shape": shape, "hq": hq, "hkv": heads, "d": d, "batch": batch, "T": context, "n_hist": n_hist,
                      "block_n": c.block_n, "warps": c.num_warps, "stages": c.num_stages, "pps": c.programs_per_sm,
-                     "max_registers": c.max_registers,
+                     "min_program_tiles": c.min_program_tiles, "max_registers": c.max_registers,
                      "fast_unpack": c.fast_unpack, "kernel_ms": kernel_ms, "eager_ms": eager_ms, "GBps": gbps,
                      "frac_copy_bw": gbps / copy_gbps, "sdpa_ms": sdpa_ms, "sdpa_kind": sdpa_kind,
                      "sdpa_GBps": sdpa_size / (sdpa_ms * 1e-3) / 1e9, "speedup_vs_sdpa": sdpa_ms / kernel_ms,
@@ -320,7 +320,8 @@ def bench_decode(shape: str, batch: int, context: int, copy_gbps: float, fast_ok
           f"{100 * best['frac_copy_bw']:5.1f}% copy  sdpa {sdpa_ms:8.4f} ms ({sdpa_kind}) "
           f"x{best['speedup_vs_sdpa']:5.2f}  read-only {100 * best['read_frac_copy_bw']:5.1f}%  "
           f"eager {best['eager_ms']:.4f} ms  [{best['block_n']}/{best['warps']}w/{best['stages']}s/"
-          f"pps{best['pps']}/reg{best['max_registers']}/{'ptx' if best['fast_unpack'] else 'plain'}]")
+          f"pps{best['pps']}{'<' + str(best['min_program_tiles']) + 't' if best['min_program_tiles'] else ''}/"
+          f"reg{best['max_registers']}/{'ptx' if best['fast_unpack'] else 'plain'}]")
     return rows
 
 

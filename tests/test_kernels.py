@@ -252,33 +252,56 @@ def test_decode_several_query_tokens(q_len, groups, dim, dtype, masked):
     assert not triton_decode.kernel_supports(too_many, layer, None)  # more than the recent window
 
 
-@pytest.mark.parametrize("batch, tokens, windows_in_wave", [
-    (1, 131072, True), (1, 4096, True), (8, 4096, True), (8, 32768, False), (32, 32768, False)])
-def test_history_chunks_fill_one_wave(batch, tokens, windows_in_wave):
-    """Qwen3-8B shapes on 132 SMs: whole-tile chunks whose programs fit one wave; the window programs (5 per head)
-    share it when that costs at most a tenth of the splits (batch 8 at 4K: 20 splits would spill 16 programs into a
-    second wave, 15 do not), else the history programs alone fill it."""
+@pytest.mark.parametrize("batch, tokens, per_sm, windows_in_wave", [
+    (1, 131072, 8, True), (1, 4096, 8, True), (8, 4096, 8, False), (8, 32768, 10, False), (32, 32768, 12, False),
+    (32, 4096, 12, False)])
+def test_history_chunks_fill_one_wave(batch, tokens, per_sm, windows_in_wave):
+    """Qwen3-8B shapes on 132 SMs: whole-tile chunks whose programs fit one wave of ``per_sm`` programs per SM: 12
+    where programs are long, 2 fewer at a time (down to 8) while they would cover fewer than 24 tiles, unless the
+    window programs (5 per head) are more than half as many (batch 32 at 4K). The window programs share the wave
+    when that costs at most a tenth of the splits, else the history programs alone fill it."""
     cfg, heads, n_hist = triton_decode.default_config(batch, 128), batch * 8, tokens - 320
-    slots, windows = cfg.programs_per_sm * 132, batch * 8 * 5
+    slots, windows = per_sm * 132, batch * 8 * 5
     chunk = triton_decode.plan_splits(heads, n_hist, 2 * (32 + 4), cfg, 132, windows)
+    fixed = DecodeConfig(**{**vars(cfg), "programs_per_sm": per_sm, "min_program_tiles": 0})
+    assert chunk == triton_decode.plan_splits(heads, n_hist, 2 * (32 + 4), fixed, 132, windows)
     programs = math.ceil(n_hist / chunk) * heads
+    assert chunk >= cfg.min_program_tiles * cfg.block_n or per_sm == 8 or 2 * windows > programs
     assert chunk % cfg.block_n == 0 and programs <= slots
     assert (programs + windows <= slots) == windows_in_wave
     assert programs >= 0.8 * (slots - windows if windows_in_wave else slots) or chunk * 72 < 4 * cfg.min_split_bytes
 
 
-def test_decode_merge_of_many_splits():
-    """Stage 2 over more splits than one step holds (300 > 128), with empty splits and a row with no valid key."""
-    rows, splits, dim = 3, 300, 64
+def test_window_programs_share_the_wave_when_cheap():
+    """Batch 8 at 4K, 12 programs per SM: 20 splits per head would spill 16 programs into a second wave behind the
+    320 window programs; 15 splits (whole 4-tile chunks) leave them room."""
+    cfg = DecodeConfig(block_n=64, programs_per_sm=12, min_split_bytes=8 * 1024)
+    chunk = triton_decode.plan_splits(64, 4096 - 320, 72, cfg, 132, 320)
+    assert math.ceil((4096 - 320) / chunk) == 15 and 15 * 64 + 320 <= 12 * 132
+
+
+@pytest.mark.parametrize("centered", [False, True], ids=["plain", "centered"])
+def test_decode_merge_of_many_splits(centered):
+    """Stage 2 over more splits than one step holds (300 > 128), with empty splits and a row with no valid key;
+    centered, the history splits (from 120 on) get q·μ_K on their lse and the output μ_V times their weight."""
+    rows, splits, dim, hist_from, qk_scale = 3, 300, 64, 120, 0.5
     part_o = randn(rows, splits, dim, seed=3)
-    part_lse = randn(rows, splits, seed=4) * 20
+    part_lse = randn(rows, splits, seed=4) * 4
     part_lse[0, ::3] = float("-inf")  # empty splits (stage 1 writes 0 there: their weight must be 0)
     part_o[0, ::3] = 1e4
     part_lse[2] = float("-inf")
+    query = randn(1, rows, 1, dim, seed=5).to(torch.bfloat16)  # one KV head per query head
+    mu_k, mu_v = randn(1, rows, dim, seed=6), randn(1, rows, dim, seed=7)
     out = torch.empty(rows, dim, dtype=torch.bfloat16, device=DEVICE)
-    _decode_stage2_kernel[(rows, dim // 32)](part_o, part_lse, out, splits, D=dim, BLOCK_D=32, BLOCK_S=128, PDL=False)
-    weights = torch.softmax(part_lse[:2] * math.log(2), dim=-1)
+    _decode_stage2_kernel[(rows, dim // 32)](part_o, part_lse, out, splits, hist_from, query, *query.stride()[:3],
+                                             mu_k, mu_v, *mu_k.stride()[:2], rows, qk_scale, G_Q=1, Q_LEN=1, D=dim,
+                                             BLOCK_D=32, BLOCK_S=128, CENTERED=centered, PDL=False)
+    hist = torch.arange(splits, device=DEVICE) >= hist_from
+    shift = (query[0, :, 0].float() * mu_k[0]).sum(-1, keepdim=True) * qk_scale if centered else 0.0
+    weights = torch.softmax(torch.where(hist, part_lse + shift, part_lse)[:2] * math.log(2), dim=-1)
     want = torch.einsum("rs,rsd->rd", weights, part_o[:2])
+    if centered:
+        want += (weights * hist).sum(-1, keepdim=True) * mu_v[0, :2]
     torch.testing.assert_close(out[:2].float(), want, rtol=1e-2, atol=1e-2)
     assert torch.equal(out[2], torch.zeros_like(out[2]))
 

@@ -36,8 +36,9 @@ one separately), logits stay in raw units (the scale goes into ``exp2``'s argume
 rescaled lazily: only when a tile's max exceeds it by more than 8 (log2 units; p stays ≤ 256, in bf16's range),
 which after the first tiles is rare. fp16 rescales at every larger max (its p·s could overflow).
 
-Centering (the history holds ``x - μ``, ``μ`` one fp32 vector per row and KV head): history logits get
-``q·μ_K`` (once per program), and a history split's output gets ``(Σ p)·μ_V`` when it is normalised.
+Centering (the history holds ``x - μ``, ``μ`` one fp32 vector per row and KV head) is applied once per output row
+by stage 2: the history splits' log-sum-exps get ``q·μ_K`` (in the log2 units of the scores), and the merged
+output gets ``μ_V`` times the history splits' share of the softmax weight.
 
 A program's query rows are its GQA heads times the query tokens (``r·Q_LEN + t``). The attention mask
 ``[B, 1, 1 or q, T]`` (True = attend) is read per key and query token and applied to the logits as ``-inf``, so
@@ -74,6 +75,7 @@ class DecodeConfig:
     num_warps: int = 1
     num_stages: int = 3
     programs_per_sm: int = 16
+    min_program_tiles: int = 0  # fewer programs per SM (by 2, down to 8) while a history program has fewer tiles
     fast_unpack: bool = True
     pdl: bool = True  # stage 2 launched early (programmatic dependent launch, sm_90+) and waiting for stage 1
     min_split_bytes: int = 8 * 1024  # a split should read at least this much, so its partial output stays cheap
@@ -81,13 +83,17 @@ class DecodeConfig:
 
 
 def default_config(batch: int, head_dim: int, query_len: int = 1) -> DecodeConfig:
-    """One warp per program (its reductions over tokens never leave the warp); from H100 sweeps (D=128 at B=1, 8,
-    32 and T=32K, 128K; D=64 and 256 at B=8, T=32K): 64-token tiles (32 at D=256), 3 stages, at D <= 128 at most
+    """One warp per program (its reductions over tokens never leave the warp); from H100 sweeps (D=128 at B=1, 4,
+    8, 32 and T=32K, 128K; D=64 and 256 at B=8, T=32K): 64-token tiles (32 at D=256), 3 stages, at D <= 128 at most
     168 registers, and as many programs per SM as fit at once (one wave; sm_90 SASS: 168 registers, 12 one-warp
-    programs; 255 at D=256, 8), but 8 for one query token at batch 1 (fewer, longer programs: 3-4% faster there;
-    a verify step's several tokens make each tile's work larger, and it keeps 12)."""
+    programs; 255 at D=256, 8) where programs are long, but fewer, longer programs where a full wave's would cover
+    fewer than 24 tiles (one query token at D=128: 8 at B=1, 128K, 16 tiles, 3-6% faster than 12; 10 at B=8, 32K,
+    26 tiles, 22% faster than 12 with 22 tiles; 12 at B=8, 128K and B=32, 32K, 85 tiles, 17-29% faster than 8; 12
+    at B=32, 4K, where the window programs are many: 8 was 14% slower; see :func:`plan_splits`).
+    A verify step's several tokens make each tile's work larger, and it keeps 12."""
     return DecodeConfig(block_n=64 if head_dim <= 128 else 32, num_warps=1, num_stages=3,
-                        programs_per_sm=8 if (batch == 1 and query_len == 1) or head_dim > 128 else 12,
+                        programs_per_sm=8 if head_dim > 128 else 12,
+                        min_program_tiles=24 if query_len == 1 and head_dim == 128 else 0,
                         max_registers=168 if head_dim <= 128 else None)
 
 
@@ -97,6 +103,16 @@ def _dot(a, b, acc, FP32_DOT: tl.constexpr):
     if FP32_DOT:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _dot_columns(x, DT: tl.constexpr, FP32_DOT: tl.constexpr):
+    """``x [BLOCK_G]`` fp32 laid out as the columns of a dot's accumulator (it passes through a dot of zeros), so that
+    the per-tile products of the history loop with it stay in the accumulator's registers instead of going through
+    shared memory every tile."""
+    acc = _dot(tl.zeros([16, 16], DT), tl.zeros([16, x.shape[0]], DT), tl.zeros([16, x.shape[0]], tl.float32)
+               + x[None, :], FP32_DOT)
+    return tl.max(acc, axis=0)
 
 
 @triton.jit
@@ -183,27 +199,37 @@ def _mask_tile(mask_row, stride_mq, stride_mt, pos, live, query, HAS_MASK: tl.co
 
 
 @triton.jit
-def _meta(ks, kz, vs, vz, n, live, stride_sn, NG: tl.constexpr):
-    """Raw (scale dtype) K scale, K zero, V scale, V zero of tokens ``n``, per group: a tuple of 4·NG vectors."""
+def _meta(ks, kz, vs, vz, n, hi, NG: tl.constexpr, MASKED: tl.constexpr):
+    """Raw (scale dtype) K scale, K zero, V scale, V zero of tokens ``n`` (MASKED: those below ``hi``), per group: a
+    tuple of 4·NG vectors. Each is read as one ``[tokens, NG]`` block of contiguous rows, so that the loop pipeliner
+    streams it through shared memory as it does the codes (no register prefetch waiting in the loop)."""
+    cols = tl.arange(0, NG)
+    offs = n[:, None] * NG + cols[None, :]
+    if MASKED:
+        live = (n < hi)[:, None]
+        blocks = (tl.load(ks + offs, mask=live, other=0), tl.load(kz + offs, mask=live, other=0),
+                  tl.load(vs + offs, mask=live, other=0), tl.load(vz + offs, mask=live, other=0))
+    else:
+        blocks = (tl.load(ks + offs), tl.load(kz + offs), tl.load(vs + offs), tl.load(vz + offs))
     out = ()
     for g in tl.static_range(NG):
-        offs = n * stride_sn + g
-        out = out + (tl.load(ks + offs, mask=live, other=0), tl.load(kz + offs, mask=live, other=0),
-                     tl.load(vs + offs, mask=live, other=0), tl.load(vz + offs, mask=live, other=0))
+        for i in tl.static_range(4):
+            out = out + (tl.sum(tl.where(cols[None, :] == g, blocks[i], 0), axis=1),)
     return out
 
 
 @triton.jit
 def _codes_tile(
-    state, start, hi, pos0, kc, ks, kz, vc, vs, vz, stride_sn, mask_row, stride_mq, stride_mt, qk_scale, q_mu, query,
+    state, start, hi, pos0, kc, ks, kz, vc, vs, vz, mask_row, stride_mq, stride_mt, qk_scale, query,
     qts, qsums, q_offs, K_BITS: tl.constexpr, V_BITS: tl.constexpr, GROUP: tl.constexpr, W_K: tl.constexpr,
     W_V: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, Q_LEN: tl.constexpr, DT: tl.constexpr,
     MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr, MANTISSA: tl.constexpr, FAST_UNPACK: tl.constexpr,
-    FP32_DOT: tl.constexpr, MASKED: tl.constexpr,
+    FP32_DOT: tl.constexpr, STREAM_META: tl.constexpr, MASKED: tl.constexpr,
 ):
     """One history tile of :func:`_attend_codes` at tokens ``start + [0, BLOCK_N)`` (MASKED: those below ``hi``;
-    else all of them). ``state``: m (in raw logit units), den, per group Σ p·s and Σ p·(z + c̄·s), the outputs, and
-    the prefetched scale/zero and mask bytes of this tile; returns the next state.
+    else all of them). ``state``: m (in raw logit units), den, per group Σ p·s and Σ p·(z + c̄·s), the outputs, the
+    prefetched scale/zero of this tile (empty when STREAM_META: the loop pipeliner streams them with the codes) and
+    its prefetched mask bytes; returns the next state.
 
     Lazy rescaling: the running max moves only when a tile's max exceeds it by more than SLACK (so p ≤ 2**SLACK);
     bf16 has the range for that, while fp16's p·s could overflow, so there it moves with every larger max."""
@@ -222,7 +248,11 @@ def _codes_tile(
     v_col = tl.arange(0, HW_V)
     n = start + tl.arange(0, BLOCK_N)
     n_next = n + BLOCK_N
-    meta_next = _meta(ks, kz, vs, vz, n_next, n_next < hi, stride_sn, NG)
+    if STREAM_META:
+        meta = _meta(ks, kz, vs, vz, n, hi, NG, MASKED)
+        meta_next = ()
+    else:
+        meta_next = _meta(ks, kz, vs, vz, n_next, hi, NG, True)
     mask_next = _mask_tile(mask_row, stride_mq, stride_mt, pos0 + n_next, n_next < hi, query, HAS_MASK, Q_LEN)
     if MASKED:
         inside = n < hi
@@ -231,7 +261,7 @@ def _codes_tile(
     else:
         kh = tl.load(kc + n[:, None] * HW_K + k_col[None, :])
         vh = tl.load(vc + n[None, :] * HW_V + v_col[:, None])
-    logits = q_mu[None, :]  # raw units (qk_scale goes into exp2): logit = s·(q·c) + z·Σq + q·μ_K
+    logits = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)  # raw units (qk_scale goes into exp2): s·(q·c) + z·Σq
     for g in tl.static_range(NG):
         qk = tl.zeros([BLOCK_N, BLOCK_G], tl.float32) + q_offs[g][None, :]
         for P in tl.static_range(NP_K):
@@ -282,21 +312,23 @@ def _codes_tile(
 
 @triton.jit
 def _attend_codes(
-    qps, lo, hi, pos0, kc, ks, kz, vc, vs, vz, stride_sn, mask_row, stride_mq, stride_mt,
-    qk_scale, q_mu, query, K_BITS: tl.constexpr, V_BITS: tl.constexpr, GROUP: tl.constexpr, W_K: tl.constexpr,
+    qps, lo, hi, pos0, kc, ks, kz, vc, vs, vz, mask_row, stride_mq, stride_mt,
+    qk_scale, query, K_BITS: tl.constexpr, V_BITS: tl.constexpr, GROUP: tl.constexpr, W_K: tl.constexpr,
     W_V: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, Q_LEN: tl.constexpr, DT: tl.constexpr,
     MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr, MANTISSA: tl.constexpr, FAST_UNPACK: tl.constexpr,
-    FP32_DOT: tl.constexpr,
+    FP32_DOT: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """History tokens ``[lo, hi)``, tokens as the MMA rows. ``kc``/``vc``: the codes as contiguous rows of ``HW``
     elements (halfwords, or bytes for narrow rows; module docstring): a constant row stride keeps short rows aligned
     for cp.async. ``qps``: q at K's positions, transposed, ``[HW_K, BLOCK_G]`` each (query rows as columns);
-    ``q_mu [BLOCK_G]``: added to every logit (``q·μ_K`` when centered, else 0); ``query [BLOCK_G]``: each column's
-    query token, for the mask. Returns m, den ``[BLOCK_G]`` and the output at V's positions, transposed,
-    ``[HW_V, BLOCK_G]`` each.
+    ``query [BLOCK_G]``: each column's query token, for the mask. Returns m, den ``[BLOCK_G]`` and the output at
+    V's positions, transposed, ``[HW_V, BLOCK_G]`` each.
 
-    The codes are pipelined by Triton (cp.async, ``num_stages``); scale, zero and mask bytes are prefetched by hand
-    one tile ahead (their rows end at a count read on the device, too unaligned for cp.async).
+    The codes of whole tiles are pipelined by Triton (cp.async, ``NUM_STAGES``; the loop names its stages, so loads
+    that feed no dot are streamed too), and so are their scales and zeros where a tile's block of them is wide
+    enough for cp.async (else they are prefetched by hand one tile ahead, as the mask bytes are: their key positions
+    start at a count read on the device, too unaligned for cp.async). The loop-carried register copy of a prefetch
+    would wait on its load within the same tile.
 
     Logits are ``[BLOCK_N, BLOCK_G]`` = K codes ``[BLOCK_N, HW_K]`` · qᵀ per position, the output is V codesᵀ
     ``[HW_V, BLOCK_N]`` · (p·s) per position: both dots run with the tokens on the tensor cores' big dimensions, so
@@ -312,6 +344,8 @@ def _attend_codes(
     NP_V: tl.constexpr = NB_V * W_V // HW_V
     NG: tl.constexpr = W_K * NB_K // GROUP
     CENTER: tl.constexpr = ((1 << V_BITS) - 1) / 2
+    # a tile's scale/zero block gives each thread of one warp at least 4 bytes: cp.async can stream it
+    STREAM_META: tl.constexpr = BLOCK_N * NG >= 64
     k_col = tl.arange(0, HW_K)
     v_col = tl.arange(0, HW_V)
     # q/f per position (exact: f is a power of two); per group Σq for the zero term, and -M·Σ(q/f) to start the
@@ -321,15 +355,15 @@ def _attend_codes(
         qts = qts + ((qps[P].to(tl.float32) * _position(k_col, P, K_BITS, MANTISSA, W_K)[0]).to(DT),)
     qsums = ()
     q_offs = ()
-    for g in tl.static_range(NG):
-        total = tl.zeros([BLOCK_G], tl.float32)
-        offset = tl.zeros([BLOCK_G], tl.float32)
+    for g in tl.static_range(NG):  # a group's positions are added elementwise, then reduced once
+        total = tl.zeros([HW_K, BLOCK_G], tl.float32)
+        scaled = tl.zeros([HW_K, BLOCK_G], tl.float32)
         for P in tl.static_range(NP_K):
             if P % NB_K * W_K // GROUP == g:
-                total += tl.sum(qps[P].to(tl.float32), axis=0)
-                offset -= MAGIC_VALUE * tl.sum(qts[P].to(tl.float32), axis=0)
-        qsums = qsums + (total,)
-        q_offs = q_offs + (offset,)
+                total += qps[P].to(tl.float32)
+                scaled += qts[P].to(tl.float32)
+        qsums = qsums + (_dot_columns(tl.sum(total, axis=0), DT, FP32_DOT),)
+        q_offs = q_offs + (-MAGIC_VALUE * tl.sum(scaled, axis=0),)
     pss = ()  # per group: Σ p·s (as rounded for the dots), and Σ p·(z + c̄·s)
     pzs = ()
     for g in tl.static_range(NG):
@@ -341,18 +375,20 @@ def _attend_codes(
     m = tl.full([BLOCK_G], -1.0e30, tl.float32)  # finite: a fully masked tile leaves alpha = 1 and p = 0
     den = tl.zeros([BLOCK_G], tl.float32)
     n_next = lo + tl.arange(0, BLOCK_N)
-    meta_next = _meta(ks, kz, vs, vz, n_next, n_next < hi, stride_sn, NG)
+    meta_next = () if STREAM_META else _meta(ks, kz, vs, vz, n_next, hi, NG, True)
     mask_next = _mask_tile(mask_row, stride_mq, stride_mt, pos0 + n_next, n_next < hi, query, HAS_MASK, Q_LEN)
     state = (m, den, pss, pzs, accs, meta_next, mask_next)
     full = lo + (hi - lo) // BLOCK_N * BLOCK_N
-    for start in range(lo, full, BLOCK_N):  # whole tiles: no bounds checks
-        state = _codes_tile(state, start, hi, pos0, kc, ks, kz, vc, vs, vz, stride_sn, mask_row, stride_mq, stride_mt,
-                            qk_scale, q_mu, query, qts, qsums, q_offs, K_BITS, V_BITS, GROUP, W_K, W_V, BLOCK_N,
-                            HAS_MASK, Q_LEN, DT, MAGIC_BITS, MAGIC_VALUE, MANTISSA, FAST_UNPACK, FP32_DOT, False)
+    for start in tl.range(lo, full, BLOCK_N, num_stages=NUM_STAGES):  # whole tiles: no bounds checks
+        state = _codes_tile(state, start, hi, pos0, kc, ks, kz, vc, vs, vz, mask_row, stride_mq, stride_mt,
+                            qk_scale, query, qts, qsums, q_offs, K_BITS, V_BITS, GROUP, W_K, W_V, BLOCK_N,
+                            HAS_MASK, Q_LEN, DT, MAGIC_BITS, MAGIC_VALUE, MANTISSA, FAST_UNPACK, FP32_DOT, STREAM_META,
+                            False)
     for start in tl.range(full, hi, BLOCK_N, num_stages=1):  # the last, partial tile
-        state = _codes_tile(state, start, hi, pos0, kc, ks, kz, vc, vs, vz, stride_sn, mask_row, stride_mq, stride_mt,
-                            qk_scale, q_mu, query, qts, qsums, q_offs, K_BITS, V_BITS, GROUP, W_K, W_V, BLOCK_N,
-                            HAS_MASK, Q_LEN, DT, MAGIC_BITS, MAGIC_VALUE, MANTISSA, FAST_UNPACK, FP32_DOT, True)
+        state = _codes_tile(state, start, hi, pos0, kc, ks, kz, vc, vs, vz, mask_row, stride_mq, stride_mt,
+                            qk_scale, query, qts, qsums, q_offs, K_BITS, V_BITS, GROUP, W_K, W_V, BLOCK_N,
+                            HAS_MASK, Q_LEN, DT, MAGIC_BITS, MAGIC_VALUE, MANTISSA, FAST_UNPACK, FP32_DOT, STREAM_META,
+                            True)
     m, den, pss, pzs, accs, _, _ = state
     out = ()
     for P in tl.static_range(NP_V):  # (acc - M·Σ p·s) / f + Σ p·(z + c̄·s) - c̄·Σ p·s
@@ -404,8 +440,7 @@ def _decode_stage1_kernel(
     sk_ptr, sv_ptr, stride_sink_b, stride_sink_h, stride_sink_n,
     rk_ptr, rv_ptr, stride_rec_b, stride_rec_h, stride_rec_n,
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
-    stride_kcb, stride_kch, stride_vcb, stride_vch, stride_zb, stride_zh, stride_zn,
-    mu_k_ptr, mu_v_ptr, stride_mu_b, stride_mu_h,
+    stride_kcb, stride_kch, stride_vcb, stride_vch, stride_zb, stride_zh,
     mask_ptr, stride_mb, stride_mq, stride_mt,
     part_o_ptr, part_lse_ptr,
     counts_ptr, hist_splits, sink_splits, total_splits, rec_cap,
@@ -413,8 +448,9 @@ def _decode_stage1_kernel(
     G_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, K_BITS: tl.constexpr,
     V_BITS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, HAS_MASK: tl.constexpr, Q_LEN: tl.constexpr,
-    CENTERED: tl.constexpr, DT: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr,
+    DT: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr,
     MANTISSA: tl.constexpr, FAST_UNPACK: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """Query row ``c = r·Q_LEN + t`` of a program is query head ``h·G_Q + r`` at query token ``t``; its partial
     output and lse go to row ``(b·Hq + h·G_Q + r)·Q_LEN + t``."""
@@ -441,35 +477,27 @@ def _decode_stage1_kernel(
         keep = heads < G_Q * Q_LEN
         q_cols = q_head + (heads // Q_LEN) * stride_qh + (heads % Q_LEN) * stride_qt
         k_col = tl.arange(0, HW_K)
-        mu_k = mu_k_ptr + b * stride_mu_b + h * stride_mu_h
         qps = ()
-        q_mu = tl.zeros([BLOCK_G], tl.float32)  # q·μ_K
         for P in tl.static_range(8 // K_BITS * W_K // HW_K):
             ch = _position(k_col, P, K_BITS, MANTISSA, W_K)[1]
-            qp = tl.load(q_cols[None, :] + ch[:, None], mask=keep[None, :], other=0.0)
-            qps = qps + (qp,)
-            if CENTERED:
-                q_mu += tl.sum(qp.to(tl.float32) * tl.load(mu_k + ch)[:, None], axis=0)
+            qps = qps + (tl.load(q_cols[None, :] + ch[:, None], mask=keep[None, :], other=0.0),)
         hist_chunk = tl.cdiv(tl.cdiv(n_hist, hist_splits), BLOCK_N) * BLOCK_N
         lo = (split - win_splits) * hist_chunk
         meta_off = b * stride_zb + h * stride_zh
         m, den, accs = _attend_codes(
             qps, lo, tl.minimum(lo + hist_chunk, n_hist), n_sink,
             kc_ptr + b * stride_kcb + h * stride_kch, ks_ptr + meta_off, kz_ptr + meta_off,
-            vc_ptr + b * stride_vcb + h * stride_vch, vs_ptr + meta_off, vz_ptr + meta_off, stride_zn,
-            mask_row, stride_mq, stride_mt, qk_scale, q_mu, heads % Q_LEN, K_BITS, V_BITS, GROUP, W_K, W_V,
-            BLOCK_N, HAS_MASK, Q_LEN, DT, MAGIC_BITS, MAGIC_VALUE, MANTISSA, FAST_UNPACK, FP32_DOT,
+            vc_ptr + b * stride_vcb + h * stride_vch, vs_ptr + meta_off, vz_ptr + meta_off,
+            mask_row, stride_mq, stride_mt, qk_scale, heads % Q_LEN, K_BITS, V_BITS, GROUP, W_K, W_V,
+            BLOCK_N, HAS_MASK, Q_LEN, DT, MAGIC_BITS, MAGIC_VALUE, MANTISSA, FAST_UNPACK, FP32_DOT, NUM_STAGES,
         )
         safe_den = tl.where(den > 0, den, 1.0)
+        inv_den = 1.0 / safe_den  # one division per query row, then products (a division costs ~10 instructions)
         part = (bh * G_Q * Q_LEN + heads).to(tl.int64) * total_splits + split
         v_col = tl.arange(0, HW_V)
-        mu_v = mu_v_ptr + b * stride_mu_b + h * stride_mu_h
         for P in tl.static_range(len(accs)):
             ch = _position(v_col, P, V_BITS, MANTISSA, W_V)[1]
-            out = accs[P]
-            if CENTERED:  # Σ p·μ_V
-                out += den[None, :] * tl.load(mu_v + ch)[:, None]
-            tl.store(part_o_ptr + part[None, :] * D + ch[:, None], out / safe_den[None, :], mask=keep[None, :])
+            tl.store(part_o_ptr + part[None, :] * D + ch[:, None], accs[P] * inv_den[None, :], mask=keep[None, :])
         tl.store(part_lse_ptr + part, tl.where(den > 0, m + tl.log2(safe_den), float("-inf")), mask=keep)
     else:  # one code path for sink and recent chunks (pointers chosen per program)
         in_sink = split < sink_splits
@@ -510,37 +538,58 @@ def _window_split(
                                  stride_mq, stride_mt, qk_scale, rows % Q_LEN, last, BLOCK_W, HAS_MASK, Q_LEN, DT,
                                  FP32_DOT)
     safe_den = tl.where(den > 0, den, 1.0)
+    inv_den = 1.0 / safe_den
     part = (row0 + rows).to(tl.int64) * total_splits + split
     for i in tl.static_range(NSUB):
-        tl.store(part_o_ptr + part[:, None] * D + i * W + cols[None, :], accs[i] / safe_den[:, None],
+        tl.store(part_o_ptr + part[:, None] * D + i * W + cols[None, :], accs[i] * inv_den[:, None],
                  mask=keep[:, None])
     tl.store(part_lse_ptr + part, tl.where(den > 0, m + tl.log2(safe_den), float("-inf")), mask=keep)
 
 
-@triton.jit(do_not_specialize=["total_splits"])
-def _decode_stage2_kernel(part_o_ptr, part_lse_ptr, out_ptr, total_splits, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                          BLOCK_S: tl.constexpr, PDL: tl.constexpr):
-    """Merge the splits of one (batch, query head) by log-sum-exp over BLOCK_D output channels (grid
-    ``B·Hq × D/BLOCK_D``), BLOCK_S splits per step with an online max (one step for up to 256 splits: each step
-    waits on its loads). Rows with no valid key give 0."""
-    if PDL:  # launched early: wait until stage 1 has finished and its writes are visible
-        tl.extra.cuda.gdc_wait()
+@triton.jit(do_not_specialize=["total_splits", "hist_from"])
+def _decode_stage2_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr, total_splits, hist_from, q_ptr, stride_qb, stride_qh, stride_qt,
+    mu_k_ptr, mu_v_ptr, stride_mu_b, stride_mu_h, HQ, qk_scale,
+    G_Q: tl.constexpr, Q_LEN: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    CENTERED: tl.constexpr, PDL: tl.constexpr,
+):
+    """Merge the splits of output row ``(b·Hq + head)·Q_LEN + t`` by log-sum-exp over BLOCK_D output channels (grid
+    ``B·Hq·Q_LEN × D/BLOCK_D``), BLOCK_S splits per step with an online max (one step for up to 256 splits: each step
+    waits on its loads). Rows with no valid key give 0. CENTERED: the history splits (from ``hist_from``) get
+    ``q·μ_K`` on their lse, and the output ``μ_V`` times their share of the weight."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    if CENTERED:  # independent of stage 1: done before waiting on it
+        head = row // Q_LEN % HQ
+        b = row // Q_LEN // HQ
+        chans = tl.arange(0, D)
+        mu_off = b * stride_mu_b + head // G_Q * stride_mu_h
+        q = tl.load(q_ptr + b * stride_qb + head * stride_qh + row % Q_LEN * stride_qt + chans).to(tl.float32)
+        q_mu = tl.sum(q * tl.load(mu_k_ptr + mu_off + chans), axis=0) * qk_scale
+        mu_v = tl.load(mu_v_ptr + mu_off + cols)
+    if PDL:  # launched early: wait until stage 1 has finished and its writes are visible
+        tl.extra.cuda.gdc_wait()
     m = -1.0e30  # finite: a step of empty splits leaves alpha = 1 and w = 0
     den = 0.0
+    hist_den = 0.0
     acc = tl.zeros([BLOCK_D], tl.float32)
     for start in range(0, total_splits, BLOCK_S):
         s = start + tl.arange(0, BLOCK_S)
         live = s < total_splits
         lse = tl.load(part_lse_ptr + row * total_splits + s, mask=live, other=float("-inf"))
+        if CENTERED:
+            lse = tl.where(s >= hist_from, lse + q_mu, lse)
         o = tl.load(part_o_ptr + (row * total_splits + s)[:, None] * D + cols[None, :], mask=live[:, None], other=0.0)
         m_new = tl.maximum(m, tl.max(lse, axis=0))
         alpha = tl.exp2(m - m_new)
         w = tl.exp2(lse - m_new)
         den = den * alpha + tl.sum(w, axis=0)
+        if CENTERED:
+            hist_den = hist_den * alpha + tl.sum(tl.where(s >= hist_from, w, 0.0), axis=0)
         acc = acc * alpha + tl.sum(w[:, None] * o, axis=0)
         m = m_new
+    if CENTERED:
+        acc += hist_den * mu_v
     out = acc / tl.where(den > 0, den, 1.0)
     tl.store(out_ptr + row * D + cols, out.to(out_ptr.dtype.element_ty))
 
@@ -560,19 +609,29 @@ def plan_splits(batch_heads: int, n_hist: int, hist_bytes: int, cfg: DecodeConfi
                 window_programs: int = 0) -> int:
     """Tokens per history chunk (whole ``block_n`` tiles; ``hist_bytes``: K + V bytes per token), so that the
     history programs fill one wave of ``programs_per_sm · sm_count`` programs without spilling into a second (fewer
-    when a chunk would read less than ``min_split_bytes``). The ``window_programs`` (short sink/recent chunks, first
-    in the grid) take slots of that wave: the history programs leave them room when that costs at most a tenth of
-    the splits, else they start as the window programs finish."""
+    when a chunk would read less than ``min_split_bytes``), with fewer programs per SM (by 2, down to 8) while a
+    chunk would hold fewer than ``min_program_tiles`` tiles and the history programs outnumber the
+    ``window_programs`` at least twice (where these are many, as at batch 32 and 4K, more and shorter history
+    programs balance the waves better). The window programs (short sink/recent chunks, first in the grid) take
+    slots of the wave: the history programs leave them room when that costs at most a tenth of the splits, else
+    they start as the window programs finish."""
     def chunk(splits: int) -> int:
         return max(1, triton.cdiv(triton.cdiv(n_hist, splits), cfg.block_n)) * cfg.block_n
 
-    slots = cfg.programs_per_sm * sm_count
-    tokens = chunk(max(1, min(slots // batch_heads, n_hist * hist_bytes // cfg.min_split_bytes)))
-    splits = triton.cdiv(n_hist, tokens)
-    room = (slots - window_programs) // batch_heads
-    if splits * batch_heads + window_programs > slots and room >= 0.9 * splits:
-        tokens = chunk(room)
-    return tokens
+    def wave(per_sm: int) -> int:
+        slots = per_sm * sm_count
+        tokens = chunk(max(1, min(slots // batch_heads, n_hist * hist_bytes // cfg.min_split_bytes)))
+        splits = triton.cdiv(n_hist, tokens)
+        room = (slots - window_programs) // batch_heads
+        if splits * batch_heads + window_programs > slots and room >= 0.9 * splits:
+            tokens = chunk(room)
+        return tokens
+
+    per_sm = cfg.programs_per_sm
+    while (per_sm > 8 and wave(per_sm) < cfg.min_program_tiles * cfg.block_n
+           and 2 * window_programs <= triton.cdiv(n_hist, wave(per_sm)) * batch_heads):
+        per_sm -= 2
+    return wave(per_sm)
 
 
 def layer_supports(layer, dtype: torch.dtype, device: torch.device) -> bool:
@@ -670,7 +729,10 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
     if any(t.stride(2) != t.shape[3] for t in history[::3]):
         raise ValueError("decode reads code rows of contiguous halfwords; got strides "
                          f"{history[0].stride()} and {history[3].stride()}")
-    hist_strides = history[0].stride()[:2] + history[3].stride()[:2] + history[1].stride()[:3]
+    if any(t.stride(2) != t.shape[3] or t.stride() != history[1].stride() for t in history[1:3] + history[4:6]):
+        raise ValueError("decode reads scale and zero rows of contiguous groups, all four alike; got strides "
+                         f"{[t.stride() for t in history[1:3] + history[4:6]]}")
+    hist_strides = history[0].stride()[:2] + history[3].stride()[:2] + history[1].stride()[:2]
     mu = (*center, *center[0].stride()[:2]) if center else (mask, mask, 0, 0)
     with on_device_of(query):
         _decode_stage1_kernel[(batch * heads, total)](
@@ -678,7 +740,6 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
             _storage(sink_k), _storage(sink_v), *sink_k.stride()[:3],
             _storage(rec_k), _storage(rec_v), *rec_k.stride()[:3],
             *[_storage(t) for t in history], *hist_strides,
-            *mu,
             mask, *mask_strides,
             part_o, part_lse,
             counts, hist_splits, sink_splits, total, max(rec_k.shape[2], 1),
@@ -686,14 +747,17 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
             G_Q=group_q, BLOCK_G=max(8, triton.next_power_of_2(rows)),
             BLOCK_H=max(16, triton.next_power_of_2(rows)), D=d, K_BITS=key_bits, V_BITS=value_bits,
             GROUP=group, BLOCK_N=cfg.block_n, BLOCK_W=WINDOW_BLOCK[d], HAS_MASK=attention_mask is not None,
-            Q_LEN=q_len, CENTERED=bool(center), DT=dt, MAGIC_BITS=magic_bits, MAGIC_VALUE=magic_value,
+            Q_LEN=q_len, DT=dt, MAGIC_BITS=magic_bits, MAGIC_VALUE=magic_value,
             MANTISSA=mantissa, FAST_UNPACK=cfg.fast_unpack and not interpreting,
-            FP32_DOT=dt == tl.bfloat16 and interpreting, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            FP32_DOT=dt == tl.bfloat16 and interpreting, PDL=pdl, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
             **({"maxnreg": cfg.max_registers} if cfg.max_registers and not interpreting else {}),
         )
-        _decode_stage2_kernel[(batch * hq * q_len, d // 32)](part_o, part_lse, out, total, D=d, BLOCK_D=32,
-                                                             BLOCK_S=min(256, triton.next_power_of_2(total)),
-                                                             PDL=pdl, num_warps=4, launch_pdl=pdl)
+        _decode_stage2_kernel[(batch * hq * q_len, d // 32)](
+            part_o, part_lse, out, total, total - hist_splits, query, *query.stride()[:3], *mu, hq, scaling * LOG2E,
+            G_Q=group_q, Q_LEN=q_len, D=d, BLOCK_D=32, BLOCK_S=min(256, triton.next_power_of_2(total)),
+            CENTERED=bool(center), PDL=pdl, num_warps=4, launch_pdl=pdl,
+        )
     return out.transpose(1, 2)
 
 
