@@ -271,7 +271,7 @@ def _codes_tile(
         logits = qk * meta[4 * g].to(tl.float32)[:, None] + (meta[4 * g + 1].to(tl.float32)[:, None]
                                                              * qsums[g][None, :] + logits)
     if MASKED:
-        logits = tl.where(n[:, None] < hi, logits, float("-inf"))
+        logits = tl.where(inside[:, None], logits, float("-inf"))
     if HAS_MASK:
         logits = tl.where(mask_here != 0, logits, float("-inf"))
     tile_max = tl.max(logits, axis=0)
@@ -628,10 +628,12 @@ def plan_splits(batch_heads: int, n_hist: int, hist_bytes: int, cfg: DecodeConfi
         return tokens
 
     per_sm = cfg.programs_per_sm
-    while (per_sm > 8 and wave(per_sm) < cfg.min_program_tiles * cfg.block_n
-           and 2 * window_programs <= triton.cdiv(n_hist, wave(per_sm)) * batch_heads):
+    tokens = wave(per_sm)
+    while (per_sm > 8 and tokens < cfg.min_program_tiles * cfg.block_n
+           and 2 * window_programs <= triton.cdiv(n_hist, tokens) * batch_heads):
         per_sm -= 2
-    return wave(per_sm)
+        tokens = wave(per_sm)
+    return tokens
 
 
 def layer_supports(layer, dtype: torch.dtype, device: torch.device) -> bool:
