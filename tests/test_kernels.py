@@ -280,6 +280,20 @@ def test_window_programs_share_the_wave_when_cheap():
     assert math.ceil((4096 - 320) / chunk) == 15 and 15 * 64 + 320 <= 12 * 132
 
 
+@pytest.mark.parametrize("batch, tokens, prefetch", [(1, 32768, True), (1, 4096, True), (1, 131072, False),
+                                                     (8, 32768, False), (32, 4096, False)])
+def test_window_programs_prefetch_where_few_and_last(batch, tokens, prefetch):
+    """Qwen3-8B shapes on 132 SMs: the 5 window programs per head prefetch their rows where they are at most one per
+    two SMs (batch 1) and the history chunks are at most 8 tiles (so the window programs would finish last); a
+    config's explicit choice wins."""
+    cfg, n_hist = triton_decode.default_config(batch, 128), tokens - 320
+    hist_splits = math.ceil(n_hist / triton_decode.plan_splits(batch * 8, n_hist, 72, cfg, 132, batch * 8 * 5))
+    splits, cpu = [hist_splits, 1, hist_splits + 5], torch.device("cpu")
+    assert triton_decode._window_prefetch(cfg, batch * 8, n_hist, splits, cpu) == prefetch
+    forced = DecodeConfig(**{**vars(cfg), "window_prefetch": not prefetch})
+    assert triton_decode._window_prefetch(forced, batch * 8, n_hist, splits, cpu) == (not prefetch)
+
+
 @pytest.mark.parametrize("centered", [False, True], ids=["plain", "centered"])
 def test_decode_merge_of_many_splits(centered):
     """Stage 2 over more splits than one step holds (300 > 128), with empty splits and a row with no valid key;
