@@ -658,8 +658,8 @@ def _window_prefetch(cfg: DecodeConfig, batch_heads: int, hist_capacity: int, sp
                      device: torch.device) -> bool:
     """Whether the window (sink/recent) programs prefetch their rows: where they are few (at most one per two SMs)
     they are chains of dependent loads that wait behind the history's stream, and where the history chunks are short
-    (at most 8 tiles) they finish last (H100, batch 1: 4K 14.8 → 11.1 µs, 32K 19.8 → 18.0 µs; always on, batches 8
-    and 32 were 2-5% slower)."""
+    (at most 8 tiles, judged from the history's capacity: a static cache plans once) they finish last (H100, batch 1:
+    4K 14.8 → 11.1 µs, 32K 19.8 → 18.0 µs; always on, batches 8 and 32 were 2-5% slower)."""
     if cfg.window_prefetch is not None:
         return cfg.window_prefetch
     hist_splits, _, total = splits
