@@ -201,10 +201,10 @@ def _mask_tile(mask_row, stride_mq, stride_mt, pos, live, query, HAS_MASK: tl.co
 
 
 @triton.jit
-def _prefetch_window(k, v, lo, hi, stride_n, ring_start, ring_cap, ROWS: tl.constexpr, D: tl.constexpr,
-                     ELEMS: tl.constexpr):
-    """Ask L2 for the K and V rows of window tokens ``[lo, hi)`` (at most ROWS; ``ELEMS`` elements per 128-byte
-    line): a window chunk's loads are few and dependent, and wait behind the history's stream when they go to DRAM."""
+def _prefetch_window(k, v, lo, hi, stride_n, ring_start, ring_cap, ROWS: tl.constexpr, D: tl.constexpr):
+    """Ask L2 for the 128-byte lines of the K and V rows of window tokens ``[lo, hi)`` (at most ROWS): a window
+    chunk's loads are few and dependent, and wait behind the history's stream when they go to DRAM."""
+    ELEMS: tl.constexpr = 1024 // k.dtype.element_ty.primitive_bitwidth  # elements per line
     n = lo + tl.arange(0, ROWS)
     row = ((ring_start + tl.minimum(n, tl.maximum(hi - 1, lo))) % ring_cap).to(tl.int64) * stride_n
     offs = row[:, None] + tl.arange(0, D // ELEMS)[None, :] * ELEMS
@@ -539,8 +539,7 @@ def _window_split(
     normalised partial output and log-sum-exp. ``last``: the position of the last key before the query tokens."""
     NSUB: tl.constexpr = D // W
     if PREFETCH:
-        _prefetch_window(k, v, lo, hi, stride_n, ring_start, ring_cap, WINDOW_TILES * BLOCK_W, D,
-                         1024 // k.dtype.element_ty.primitive_bitwidth)
+        _prefetch_window(k, v, lo, hi, stride_n, ring_start, ring_cap, WINDOW_TILES * BLOCK_W, D)
     rows = tl.arange(0, BLOCK_H)
     cols = tl.arange(0, W)
     keep = rows < G_Q * Q_LEN
