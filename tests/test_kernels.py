@@ -259,8 +259,10 @@ def test_history_chunks_fill_one_wave(batch, tokens, per_sm, windows_in_wave):
     """Qwen3-8B shapes on 132 SMs: whole-tile chunks whose programs fit one wave of ``per_sm`` programs per SM: 12
     where programs are long, 2 fewer at a time (down to 8) while they would cover fewer than 24 tiles, unless the
     window programs (5 per head) are more than half as many (batch 32 at 4K). The window programs share the wave
-    when that costs at most a tenth of the splits, else the history programs alone fill it."""
-    cfg, heads, n_hist = triton_decode.default_config(batch, 128), batch * 8, tokens - 320
+    when that costs at most a tenth of the splits, else the history programs alone fill it (without the cap on
+    history programs per SM: test_history_programs_capped_where_windows_are_few)."""
+    cfg = DecodeConfig(**{**vars(triton_decode.default_config(batch, 128)), "max_history_programs_per_sm": 0.0})
+    heads, n_hist = batch * 8, tokens - 320
     slots, windows = per_sm * 132, batch * 8 * 5
     chunk = triton_decode.plan_splits(heads, n_hist, 2 * (32 + 4), cfg, 132, windows)
     fixed = DecodeConfig(**{**vars(cfg), "programs_per_sm": per_sm, "min_program_tiles": 0})
@@ -270,6 +272,21 @@ def test_history_chunks_fill_one_wave(batch, tokens, per_sm, windows_in_wave):
     assert chunk % cfg.block_n == 0 and programs <= slots
     assert (programs + windows <= slots) == windows_in_wave
     assert programs >= 0.8 * (slots - windows if windows_in_wave else slots) or chunk * 72 < 4 * cfg.min_split_bytes
+
+
+@pytest.mark.parametrize("batch, tokens, splits, uncapped", [
+    (1, 32768, 127, 127), (1, 131072, 121, 121), (2, 131072, 76, 76), (4, 16384, 28, 32), (4, 131072, 31, 49),
+    (8, 32768, 15, 20), (8, 131072, 15, 24), (16, 131072, 12, 12), (32, 32768, 6, 6)])
+def test_history_programs_capped_where_windows_are_few(batch, tokens, splits, uncapped):
+    """Qwen3-8B shapes on 132 SMs: at most 7.7 history programs per SM (1016) where the window programs (5 per head)
+    are at least one per SM and at most half as many, i.e. at batches 4 and 8; batches 1 and 2 (fewer window
+    programs) and 16 and 32 (more) keep their splits."""
+    cfg, heads, n_hist = triton_decode.default_config(batch, 128), batch * 8, tokens - 320
+    chunk = triton_decode.plan_splits(heads, n_hist, 72, cfg, 132, heads * 5)
+    free = DecodeConfig(**{**vars(cfg), "max_history_programs_per_sm": 0.0})
+    assert math.ceil(n_hist / chunk) == splits and chunk % cfg.block_n == 0
+    assert math.ceil(n_hist / triton_decode.plan_splits(heads, n_hist, 72, free, 132, heads * 5)) == uncapped
+    assert splits * heads <= 1016 or splits == uncapped
 
 
 def test_window_programs_share_the_wave_when_cheap():

@@ -82,6 +82,7 @@ class DecodeConfig:
     min_split_bytes: int = 8 * 1024  # a split should read at least this much, so its partial output stays cheap
     max_registers: int | None = None  # ptxas register cap per thread (more programs per SM, some spills)
     window_prefetch: bool | None = None  # window programs ask L2 for their rows first (None: _window_prefetch)
+    max_history_programs_per_sm: float = 0.0  # a cap where the window programs are 1-2.5 per SM (0: none)
 
 
 def default_config(batch: int, head_dim: int, query_len: int = 1) -> DecodeConfig:
@@ -92,11 +93,16 @@ def default_config(batch: int, head_dim: int, query_len: int = 1) -> DecodeConfi
     fewer than 24 tiles (one query token at D=128: 8 at B=1, 128K, 16 tiles, 3-6% faster than 12; 10 at B=8, 32K,
     26 tiles, 22% faster than 12 with 22 tiles; 12 at B=8, 128K and B=32, 32K, 85 tiles, 17-29% faster than 8; 12
     at B=32, 4K, where the window programs are many: 8 was 14% slower; see :func:`plan_splits`).
-    A verify step's several tokens make each tile's work larger, and it keeps 12."""
+    A verify step's several tokens make each tile's work larger, and it keeps 12. At D=128, one query token, at
+    most 7.7 history programs per SM where the window programs are 1 to 2.5 per SM (batches 4 and 8 at 8 KV heads:
+    :func:`plan_splits`; H100, against no cap in the same run: B=4, 128K 146.4 → 132.0 µs, B=8, 32K 80.4 → 75.3 µs,
+    B=8, 128K 249.2 → 244.5 µs, other T within ±2.3%; ``bench_decode-dev-runs/probe_cap.log``)."""
+    one_token_d128 = query_len == 1 and head_dim == 128
     return DecodeConfig(block_n=64 if head_dim <= 128 else 32, num_warps=1, num_stages=3,
                         programs_per_sm=8 if head_dim > 128 else 12,
-                        min_program_tiles=24 if query_len == 1 and head_dim == 128 else 0,
-                        max_registers=168 if head_dim <= 128 else None)
+                        min_program_tiles=24 if one_token_d128 else 0,
+                        max_registers=168 if head_dim <= 128 else None,
+                        max_history_programs_per_sm=7.7 if one_token_d128 else 0.0)
 
 
 @triton.jit
@@ -631,7 +637,12 @@ def plan_splits(batch_heads: int, n_hist: int, hist_bytes: int, cfg: DecodeConfi
     ``window_programs`` at least twice (where these are many, as at batch 32 and 4K, more and shorter history
     programs balance the waves better). The window programs (short sink/recent chunks, first in the grid) take
     slots of the wave: the history programs leave them room when that costs at most a tenth of the splits, else
-    they start as the window programs finish."""
+    they start as the window programs finish. Last, the history programs are capped at
+    ``max_history_programs_per_sm · sm_count`` where the window programs are at least one per SM and at most half
+    as many as the capped history programs. The cap is empirical: split counts near it differ by up to 15% (B=2,
+    128K: 62 splits 83 µs, 63 splits of which one is empty 71 µs), which neither a model of block placement nor
+    rotating each program's tile order explained (``probe_splits_sweep.log``, ``probe_rotate.log``); it is
+    applied only where it was measured to help."""
     def chunk(splits: int) -> int:
         return max(1, triton.cdiv(triton.cdiv(n_hist, splits), cfg.block_n)) * cfg.block_n
 
@@ -650,6 +661,10 @@ def plan_splits(batch_heads: int, n_hist: int, hist_bytes: int, cfg: DecodeConfi
            and 2 * window_programs <= triton.cdiv(n_hist, tokens) * batch_heads):
         per_sm -= 2
         tokens = wave(per_sm)
+    cap = int(cfg.max_history_programs_per_sm * sm_count) // batch_heads  # splits per head
+    if (cap and triton.cdiv(n_hist, tokens) > cap and sm_count <= window_programs
+            and 2 * window_programs <= cap * batch_heads):
+        tokens = chunk(cap)
     return tokens
 
 
