@@ -82,7 +82,7 @@ class DecodeConfig:
     min_split_bytes: int = 8 * 1024  # a split should read at least this much, so its partial output stays cheap
     max_registers: int | None = None  # ptxas register cap per thread (more programs per SM, some spills)
     window_prefetch: bool | None = None  # window programs ask L2 for their rows first (None: _window_prefetch)
-    max_history_programs_per_sm: float = 0.0  # a cap where the window programs are 1-2.5 per SM (0: none)
+    max_history_programs_per_sm: float = 0.0  # a cap where window programs are few but not rare (0: none)
 
 
 def default_config(batch: int, head_dim: int, query_len: int = 1) -> DecodeConfig:
@@ -94,9 +94,10 @@ def default_config(batch: int, head_dim: int, query_len: int = 1) -> DecodeConfi
     26 tiles, 22% faster than 12 with 22 tiles; 12 at B=8, 128K and B=32, 32K, 85 tiles, 17-29% faster than 8; 12
     at B=32, 4K, where the window programs are many: 8 was 14% slower; see :func:`plan_splits`).
     A verify step's several tokens make each tile's work larger, and it keeps 12. At D=128, one query token, at
-    most 7.7 history programs per SM where the window programs are 1 to 2.5 per SM (batches 4 and 8 at 8 KV heads:
-    :func:`plan_splits`; H100, against no cap in the same run: B=4, 128K 146.4 → 132.0 µs, B=8, 32K 80.4 → 75.3 µs,
-    B=8, 128K 249.2 → 244.5 µs, other T within ±2.3%; ``bench_decode-dev-runs/probe_cap.log``)."""
+    most 7.7 history programs per SM where the window programs are at least one per SM and at most half as many
+    (batches 4 and 8 at 8 KV heads: :func:`plan_splits`; H100, against no cap in the same run: B=4, 128K 146.4 →
+    132.0 µs, B=8, 32K 80.4 → 75.3 µs, B=8, 128K 249.2 → 244.5 µs, other T within ±2.3%;
+    ``bench_decode-dev-runs/probe_cap.log``)."""
     one_token_d128 = query_len == 1 and head_dim == 128
     return DecodeConfig(block_n=64 if head_dim <= 128 else 32, num_warps=1, num_stages=3,
                         programs_per_sm=8 if head_dim > 128 else 12,
