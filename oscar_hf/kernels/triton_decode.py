@@ -9,7 +9,8 @@ partial output and its log-sum-exp. History chunks put the tokens on the tensor 
 ``[tokens, g]`` = K codes · qᵀ, output ᵀ = V codesᵀ · p, the ``g`` query heads padded to ``BLOCK_G >= 8``
 columns), so a program of one warp owns whole rows of tokens; sink/recent chunks use q as the rows (padded to
 ``BLOCK_H >= 16``). History chunks (packed codes) are sized so that they fill one wave of ``programs_per_sm``
-programs per SM (fewer where the programs would be short: :func:`plan_splits`); sink/recent chunks (model dtype) are
+programs per SM (fewer where the programs would be short or the window programs few but not rare:
+:func:`plan_splits`); sink/recent chunks (model dtype) are
 two tiles each and come first in the grid (where they are few, they first ask L2 for their rows:
 :func:`_window_prefetch`). Stage 2 (grid ``B·Hq·q × D/32``) merges the chunks by log-sum-exp.
 
