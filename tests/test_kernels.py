@@ -289,6 +289,13 @@ def test_history_programs_capped_where_windows_are_few(batch, tokens, splits, un
     assert splits * heads <= 1016 or splits == uncapped
 
 
+def test_decode_config_rejects_a_negative_cap():
+    with pytest.raises(ValueError, match="max_history_programs_per_sm >= 0"):
+        DecodeConfig(max_history_programs_per_sm=-1.0)
+    with pytest.raises(ValueError, match="programs_per_sm >= 1"):
+        DecodeConfig(programs_per_sm=0)
+
+
 def test_window_programs_share_the_wave_when_cheap():
     """Batch 8 at 4K, 12 programs per SM: 20 splits per head would spill 16 programs into a second wave behind the
     320 window programs; 15 splits (whole 4-tile chunks) leave them room."""

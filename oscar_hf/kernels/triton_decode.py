@@ -85,6 +85,11 @@ class DecodeConfig:
     window_prefetch: bool | None = None  # window programs ask L2 for their rows first (None: _window_prefetch)
     max_history_programs_per_sm: float = 0.0  # a cap where window programs are few but not rare (0: none)
 
+    def __post_init__(self):
+        if self.programs_per_sm < 1 or self.max_history_programs_per_sm < 0:
+            raise ValueError("DecodeConfig needs programs_per_sm >= 1 and max_history_programs_per_sm >= 0 (0: no "
+                             f"cap); got {self.programs_per_sm} and {self.max_history_programs_per_sm}")
+
 
 def default_config(batch: int, head_dim: int, query_len: int = 1) -> DecodeConfig:
     """One warp per program (its reductions over tokens never leave the warp); from H100 sweeps (D=128 at B=1, 4,
