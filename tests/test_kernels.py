@@ -177,9 +177,10 @@ def check_decode(batch, heads, groups, dim, n_history, dtype, config=None, seed=
     torch.testing.assert_close(got.float(), want.float(), rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("n_history", [1, 7, 63, 64, 65, 300, 1000])
-def test_decode_history_lengths(n_history):
-    check_decode(2, 2, 4, 128, n_history, torch.bfloat16, pads=(0, 9))
+@pytest.mark.parametrize("dim, n_history", [(128, n) for n in (1, 7, 63, 64, 65, 300, 1000)]
+                         + [(64, n) for n in (1, 7, 65, 1000)])  # D = 64: code rows of two tokens, odd ends
+def test_decode_history_lengths(dim, n_history):
+    check_decode(2, 2, 4, dim, n_history, torch.bfloat16, pads=(0, 9))
 
 
 @pytest.mark.parametrize(
@@ -206,14 +207,17 @@ def test_decode_many_splits_and_partial_tiles():
     """Small tiles and tiny splits: many history, sink and recent chunks, each ending mid-tile, merged by LSE."""
     config = DecodeConfig(block_n=32, min_split_bytes=1024)
     check_decode(2, 2, 4, 128, 301, torch.float16, config=config, sink=40, recent=70, pads=(0, 45))
+    check_decode(2, 2, 4, 64, 301, torch.bfloat16, config=config, sink=40, recent=70, pads=(0, 45))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=DTYPE_IDS.get)
-def test_decode_running_max_rises_along_one_split(dtype):
+@pytest.mark.parametrize("dtype, dim", [(torch.bfloat16, 128), (torch.float16, 128), (torch.bfloat16, 64)],
+                         ids=lambda v: DTYPE_IDS.get(v, str(v)))
+def test_decode_running_max_rises_along_one_split(dtype, dim):
     """One history split of 32 tiles whose logits' max keeps rising (keys up to 25x larger), so the lazily rescaled
-    running max moves mid-split, by more and by less than its slack (bf16: 8 in log2 units; fp16: 0)."""
+    running max moves mid-split, by more and by less than its slack (bf16: 8 in log2 units; fp16: 0); at D = 64 each
+    token of a pair row in its own columns."""
     config = DecodeConfig(block_n=32, min_split_bytes=1 << 30)
-    check_decode(1, 1, 4, 128, 1000, dtype, config=config, key_ramp=24.0, pads=(5,))
+    check_decode(1, 1, 4, dim, 1000, dtype, config=config, key_ramp=24.0, pads=(5,))
 
 
 @pytest.mark.parametrize("q_len, groups, dim, dtype, masked", [
@@ -351,7 +355,8 @@ def test_decode_groups_and_int4(group, bits):
 
 @pytest.mark.parametrize(
     "key_bits, bits, dim, group, dtype",
-    [(4, 2, 128, None, torch.bfloat16), (4, 2, 64, None, torch.float16), (2, 4, 128, 64, torch.float16)],
+    [(4, 2, 128, None, torch.bfloat16), (4, 2, 64, None, torch.float16), (2, 4, 128, 64, torch.float16),
+     (2, 4, 64, None, torch.bfloat16)],
     ids=lambda v: DTYPE_IDS.get(v, str(v)),
 )
 def test_decode_key_bits(key_bits, bits, dim, group, dtype):

@@ -21,10 +21,16 @@ at least 32 bytes are read as halfwords, and position P of a ``[tokens, W/2]`` h
 ``M + c·f``, M = 128 (1024), where the mask keeps the code inside the 7 (10) mantissa bits at bit ``log2 f``;
 one shift serves 3 (5) positions of 2-bit codes. With ``fast_unpack`` one ``lop3`` makes two such values (a
 32-bit word of two halfwords): about 0.6 instructions per code. The ``1/f`` goes into q (exact: a power of two)
-and into the output's final scaling. Narrower rows (D = 64 at 2 bits) are read as bytes: position ``P = i`` is
-the byte tile shifted by ``i·bits`` (f = 1), two byte permutes per 4 codes. q is gathered per position the way
-K is, and the output scattered the way V is (K and V may have different bits). Scale and zero stay out of the
-element loop (per token and group):
+and into the output's final scaling. Narrower rows (D = 64 at 2 bits: 16 bytes) are read two tokens to a tile
+row of W halfwords, the first token's in halfwords ``u < W/2``, where that leaves at most 16 columns: each query
+row gets two columns, the first reading the first token's halfwords (q is zero on the other half: a
+block-diagonal q), the second the second token's, each its own online softmax, merged at the end with the
+output's diagonal blocks (the V dot's other blocks mix the tokens and are dropped). A GQA group of 4 then fills
+the 8 columns that one token per row would pad (H100, 32q/8kv: batch 8, 128K 62.5 → 73.4% of the copy
+bandwidth, batch 32, 32K 63.7 → 75.9%). With more query rows (a verify step), such rows are read as bytes:
+position ``P = i`` is the byte tile shifted by ``i·bits`` (f = 1), two byte permutes per 4 codes. q is gathered
+per position the way K is, and the output scattered the way V is (K and V may have different bits). Scale and
+zero stay out of the element loop (per token and group):
 
 * K: the logit accumulator starts at ``-M·Σ(q/f)``, so the dots leave ``q·c`` and
   ``logit = s·(q·c) + z·Σq``;
@@ -131,12 +137,13 @@ def _dot_columns(x, DT: tl.constexpr, FP32_DOT: tl.constexpr):
 
 
 @triton.jit
-def _position(col, P: tl.constexpr, BITS: tl.constexpr, MANTISSA: tl.constexpr, W: tl.constexpr):
-    """``1/f`` of position P (a scalar) and the channel of each element ``col`` of a code row (module docstring)."""
+def _position(col, P: tl.constexpr, BITS: tl.constexpr, MANTISSA: tl.constexpr, W: tl.constexpr, BYTES: tl.constexpr):
+    """``1/f`` of position P (a scalar) and the channel of each element ``col`` of a tile row (module docstring):
+    halfwords of a token's ``W``-byte code row or of a pair row (``col >= W/2``: the second token's), or BYTES."""
     NB: tl.constexpr = 8 // BITS
-    if W < 32:  # bytes: sub-tile P, f = 1
+    if BYTES:  # sub-tile P, f = 1
         return 1.0, col + P * W
-    return 1.0 / (1 << (P % (MANTISSA // BITS) * BITS)), 2 * col + P // NB + P % NB * W
+    return 1.0 / (1 << (P % (MANTISSA // BITS) * BITS)), 2 * (col % (W // 2)) + P // NB + P % NB * W
 
 
 @triton.jit
@@ -152,15 +159,15 @@ def _shifted(x, SHIFT: tl.constexpr, FAST_UNPACK: tl.constexpr):
 
 
 @triton.jit
-def _unpack(x, P: tl.constexpr, BITS: tl.constexpr, MANTISSA: tl.constexpr, W: tl.constexpr, DT: tl.constexpr,
-            MAGIC_BITS: tl.constexpr, FAST_UNPACK: tl.constexpr):
+def _unpack(x, P: tl.constexpr, BITS: tl.constexpr, MANTISSA: tl.constexpr, DT: tl.constexpr,
+            MAGIC_BITS: tl.constexpr, FAST_UNPACK: tl.constexpr, BYTES: tl.constexpr):
     """The codes at position P of a tile ``x`` of code rows as ``DT`` values ``M + code·f`` (M = 128 or 1024).
 
     Halfwords: ``(x >> shift) & mask | magic`` with the code kept inside the mantissa at bit ``log2 f``; a shift
     serves ``MANTISSA // BITS`` positions (pure inline asm is deduplicated), and one ``lop3`` makes two values.
-    Bytes: shift, mask and two byte permutes per 4 codes (``f = 1``)."""
+    BYTES: shift, mask and two byte permutes per 4 codes (``f = 1``)."""
     full = tl.full(x.shape, 0, tl.int32)
-    if W < 32:
+    if BYTES:
         if FAST_UNPACK:
             codes = tl.inline_asm_elementwise(
                 "{ .reg .b32 t; shr.b32 t, $2, $3; and.b32 t, t, $7;"
@@ -226,23 +233,57 @@ def _prefetch_window(k, v, lo, hi, stride_n, ring_start, ring_cap, ROWS: tl.cons
 
 
 @triton.jit
-def _meta(ks, kz, vs, vz, n, hi, NG: tl.constexpr, MASKED: tl.constexpr):
-    """Raw (scale dtype) K scale, K zero, V scale, V zero of tokens ``n`` (MASKED: those below ``hi``), per group: a
-    tuple of 4·NG vectors. Each is read as one ``[tokens, NG]`` block of contiguous rows, so that the loop pipeliner
-    streams it through shared memory as it does the codes (no register prefetch waiting in the loop)."""
-    cols = tl.arange(0, NG)
-    offs = n[:, None] * NG + cols[None, :]
+def _tokens(n, col, HALF: tl.constexpr):
+    """Token of each element ``[rows, cols]`` of a pair tile: row ``n`` holds tokens ``2n`` (columns ``col < HALF``)
+    and ``2n + 1``."""
+    return 2 * n[:, None] + (col >= HALF)[None, :]
+
+
+@triton.jit
+def _meta(ks, kz, vs, vz, n, hi, NG: tl.constexpr, MASKED: tl.constexpr, PAIRED: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Raw (scale dtype) K scale, K zero, V scale, V zero of tile rows ``n`` (MASKED: of the tokens below ``hi``), per
+    group: a tuple of 4·NG vectors ``[rows]``, or with PAIRED (row ``n`` = tokens ``2n``, ``2n + 1``) ``[rows,
+    BLOCK_G]``, the first token's value in the first BLOCK_G/2 columns. Each is read as one ``[rows, NG]`` (``2·NG``)
+    block of contiguous rows, so that the loop pipeliner streams it through shared memory as it does the codes (no
+    register prefetch waiting in the loop)."""
+    NGR: tl.constexpr = 2 * NG if PAIRED else NG
+    cols = tl.arange(0, NGR)
+    offs = n[:, None] * NGR + cols[None, :]
     if MASKED:
-        live = (n < hi)[:, None]
+        live = _tokens(n, cols, NG) < hi if PAIRED else (n < hi)[:, None]
         blocks = (tl.load(ks + offs, mask=live, other=0), tl.load(kz + offs, mask=live, other=0),
                   tl.load(vs + offs, mask=live, other=0), tl.load(vz + offs, mask=live, other=0))
     else:
         blocks = (tl.load(ks + offs), tl.load(kz + offs), tl.load(vs + offs), tl.load(vz + offs))
+    second = tl.arange(0, BLOCK_G) >= BLOCK_G // 2
     out = ()
     for g in tl.static_range(NG):
         for i in tl.static_range(4):
-            out = out + (tl.sum(tl.where(cols[None, :] == g, blocks[i], 0), axis=1),)
+            value = tl.sum(tl.where(cols[None, :] == g, blocks[i], 0), axis=1)
+            if PAIRED:
+                after = tl.sum(tl.where(cols[None, :] == NG + g, blocks[i], 0), axis=1)
+                value = tl.where(second[None, :], after[:, None], value[:, None])
+            out = out + (value,)
     return out
+
+
+@triton.jit
+def _rows(x, PAIRED: tl.constexpr):
+    """A per-row value of :func:`_meta` as a ``[rows, 1 or BLOCK_G]`` operand of the tile's elements."""
+    if PAIRED:
+        rows = x
+    else:
+        rows = x[:, None]
+    return rows
+
+
+@triton.jit
+def _mask_pairs(mask_row, stride_mq, stride_mt, tokens, pos0, hi, query, HAS_MASK: tl.constexpr):
+    """The mask bytes of the tokens ``[rows, c]`` of a pair tile for the query token of each column ``query [c]``;
+    ones without a mask."""
+    if HAS_MASK:
+        return tl.load(mask_row + query[None, :] * stride_mq + (pos0 + tokens) * stride_mt, mask=tokens < hi, other=0)
+    return tl.full(tokens.shape, 1, tl.uint8)
 
 
 @triton.jit
@@ -251,54 +292,70 @@ def _codes_tile(
     qts, qsums, q_offs, K_BITS: tl.constexpr, V_BITS: tl.constexpr, GROUP: tl.constexpr, W_K: tl.constexpr,
     W_V: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, Q_LEN: tl.constexpr, DT: tl.constexpr,
     MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr, MANTISSA: tl.constexpr, FAST_UNPACK: tl.constexpr,
-    FP32_DOT: tl.constexpr, STREAM_META: tl.constexpr, MASKED: tl.constexpr,
+    FP32_DOT: tl.constexpr, STREAM_META: tl.constexpr, MASKED: tl.constexpr, PAIRED: tl.constexpr,
 ):
     """One history tile of :func:`_attend_codes` at tokens ``start + [0, BLOCK_N)`` (MASKED: those below ``hi``;
-    else all of them). ``state``: m (in raw logit units), den, per group Σ p·s and Σ p·(z + c̄·s), the outputs, the
-    prefetched scale/zero of this tile (empty when STREAM_META: the loop pipeliner streams them with the codes) and
-    its prefetched mask bytes; returns the next state.
+    else all of them), a row per token or, PAIRED, per two (:func:`_attend_codes`). ``state``: m (in raw logit
+    units), den, per group Σ p·s and Σ p·(z + c̄·s), the outputs, the prefetched scale/zero of this tile (empty when
+    STREAM_META: the loop pipeliner streams them with the codes) and its prefetched mask bytes; returns the next
+    state.
 
     Lazy rescaling: the running max moves only when a tile's max exceeds it by more than SLACK (so p ≤ 2**SLACK);
     bf16 has the range for that, while fp16's p·s could overflow, so there it moves with every larger max."""
     HW_K: tl.constexpr = qts[0].shape[0]
-    HW_V: tl.constexpr = W_V if W_V < 32 else W_V // 2
+    BYTES_K: tl.constexpr = W_K < 32 and not PAIRED
+    BYTES_V: tl.constexpr = W_V < 32 and not PAIRED
+    HW_V: tl.constexpr = W_V if PAIRED or BYTES_V else W_V // 2
     BLOCK_G: tl.constexpr = qts[0].shape[1]
+    ROWS: tl.constexpr = BLOCK_N // 2 if PAIRED else BLOCK_N
     NB_K: tl.constexpr = 8 // K_BITS
     NB_V: tl.constexpr = 8 // V_BITS
     NP_K: tl.constexpr = len(qts)
-    NP_V: tl.constexpr = NB_V * W_V // HW_V
+    NP_V: tl.constexpr = NB_V if BYTES_V else 2 * NB_V
     NG: tl.constexpr = W_K * NB_K // GROUP
     CENTER: tl.constexpr = ((1 << V_BITS) - 1) / 2
     SLACK: tl.constexpr = 8.0 if DT == tl.bfloat16 else 0.0
     m, den, pss, pzs, accs, meta, mask_here = state
     k_col = tl.arange(0, HW_K)
     v_col = tl.arange(0, HW_V)
-    n = start + tl.arange(0, BLOCK_N)
-    n_next = n + BLOCK_N
+    g_col = tl.arange(0, BLOCK_G)
+    n = start // (BLOCK_N // ROWS) + tl.arange(0, ROWS)  # tile rows: tokens, or token pairs
+    n_next = n + ROWS
     if STREAM_META:
-        meta = _meta(ks, kz, vs, vz, n, hi, NG, MASKED)
+        meta = _meta(ks, kz, vs, vz, n, hi, NG, MASKED, PAIRED, BLOCK_G)
         meta_next = ()
     else:
-        meta_next = _meta(ks, kz, vs, vz, n_next, hi, NG, True)
-    mask_next = _mask_tile(mask_row, stride_mq, stride_mt, pos0 + n_next, n_next < hi, query, HAS_MASK, Q_LEN)
+        meta_next = _meta(ks, kz, vs, vz, n_next, hi, NG, True, PAIRED, BLOCK_G)
+    if PAIRED:
+        mask_next = _mask_pairs(mask_row, stride_mq, stride_mt, _tokens(n_next, g_col, BLOCK_G // 2), pos0, hi, query,
+                                HAS_MASK)
+    else:
+        mask_next = _mask_tile(mask_row, stride_mq, stride_mt, pos0 + n_next, n_next < hi, query, HAS_MASK, Q_LEN)
     if MASKED:
-        inside = n < hi
-        kh = tl.load(kc + n[:, None] * HW_K + k_col[None, :], mask=inside[:, None], other=0)  # [BLOCK_N, HW_K]
-        vh = tl.load(vc + n[None, :] * HW_V + v_col[:, None], mask=inside[None, :], other=0)  # [HW_V, BLOCK_N]
+        if PAIRED:
+            inside = _tokens(n, g_col, BLOCK_G // 2) < hi
+            kh = tl.load(kc + n[:, None] * HW_K + k_col[None, :], mask=_tokens(n, k_col, HW_K // 2) < hi, other=0)
+            vh = tl.load(vc + n[None, :] * HW_V + v_col[:, None],
+                         mask=2 * n[None, :] + (v_col >= HW_V // 2)[:, None] < hi, other=0)
+        else:
+            live = n < hi
+            inside = live[:, None]
+            kh = tl.load(kc + n[:, None] * HW_K + k_col[None, :], mask=inside, other=0)  # [ROWS, HW_K]
+            vh = tl.load(vc + n[None, :] * HW_V + v_col[:, None], mask=live[None, :], other=0)  # [HW_V, ROWS]
     else:
         kh = tl.load(kc + n[:, None] * HW_K + k_col[None, :])
         vh = tl.load(vc + n[None, :] * HW_V + v_col[:, None])
-    logits = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)  # raw units (qk_scale goes into exp2): s·(q·c) + z·Σq
+    logits = tl.zeros([ROWS, BLOCK_G], tl.float32)  # raw units (qk_scale goes into exp2): s·(q·c) + z·Σq
     for g in tl.static_range(NG):
-        qk = tl.zeros([BLOCK_N, BLOCK_G], tl.float32) + q_offs[g][None, :]
+        qk = tl.zeros([ROWS, BLOCK_G], tl.float32) + q_offs[g][None, :]
         for P in tl.static_range(NP_K):
             if P % NB_K * W_K // GROUP == g:
-                kq = _unpack(kh, P, K_BITS, MANTISSA, W_K, DT, MAGIC_BITS, FAST_UNPACK)
+                kq = _unpack(kh, P, K_BITS, MANTISSA, DT, MAGIC_BITS, FAST_UNPACK, BYTES_K)
                 qk = _dot(kq, qts[P], qk, FP32_DOT)
-        logits = qk * meta[4 * g].to(tl.float32)[:, None] + (meta[4 * g + 1].to(tl.float32)[:, None]
-                                                             * qsums[g][None, :] + logits)
+        logits = qk * _rows(meta[4 * g], PAIRED).to(tl.float32) + (
+            _rows(meta[4 * g + 1], PAIRED).to(tl.float32) * qsums[g][None, :] + logits)
     if MASKED:
-        logits = tl.where(inside[:, None], logits, float("-inf"))
+        logits = tl.where(inside, logits, float("-inf"))
     if HAS_MASK:
         logits = tl.where(mask_here != 0, logits, float("-inf"))
     tile_max = tl.max(logits, axis=0)
@@ -324,17 +381,28 @@ def _codes_tile(
     new_pzs = ()
     ps_groups = ()
     for g in tl.static_range(NG):
-        s = meta[4 * g + 2].to(tl.float32)
-        mid = meta[4 * g + 3].to(tl.float32) + CENTER * s
-        ps = (prob * s[:, None]).to(DT, fp_downcast_rounding="rtne")  # the rounding then weighs |code - CENTER|
+        s = _rows(meta[4 * g + 2], PAIRED).to(tl.float32)
+        mid = _rows(meta[4 * g + 3], PAIRED).to(tl.float32) + CENTER * s
+        ps = (prob * s).to(DT, fp_downcast_rounding="rtne")  # the rounding then weighs |code - CENTER|
         new_pss = new_pss + (pss[g] + tl.sum(ps.to(tl.float32), axis=0),)
-        new_pzs = new_pzs + (pzs[g] + tl.sum(prob * mid[:, None], axis=0),)
+        new_pzs = new_pzs + (pzs[g] + tl.sum(prob * mid, axis=0),)
         ps_groups = ps_groups + (ps,)
     new_accs = ()
     for P in tl.static_range(NP_V):
-        vq = _unpack(vh, P, V_BITS, MANTISSA, W_V, DT, MAGIC_BITS, FAST_UNPACK)
+        vq = _unpack(vh, P, V_BITS, MANTISSA, DT, MAGIC_BITS, FAST_UNPACK, BYTES_V)
         new_accs = new_accs + (_dot(vq, ps_groups[P % NB_V * W_V // GROUP], accs[P], FP32_DOT),)
     return m, den, new_pss, new_pzs, new_accs, meta_next, mask_next
+
+
+@triton.jit
+def _diagonal(x):
+    """The blocks ``x[:HW/2, :G/2] + x[HW/2:, G/2:]`` of ``x [HW, G]``: a pair tile's output, each token's half of
+    the rows read by its own columns."""
+    HW: tl.constexpr = x.shape[0]
+    G: tl.constexpr = x.shape[1]
+    x = tl.permute(tl.reshape(x, [2, HW // 2, 2, G // 2]), [1, 3, 0, 2])  # [rows, columns, row half, column half]
+    first, second = tl.split(x)
+    return tl.split(first)[0] + tl.split(second)[1]
 
 
 @triton.jit
@@ -343,13 +411,16 @@ def _attend_codes(
     qk_scale, query, K_BITS: tl.constexpr, V_BITS: tl.constexpr, GROUP: tl.constexpr, W_K: tl.constexpr,
     W_V: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, Q_LEN: tl.constexpr, DT: tl.constexpr,
     MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr, MANTISSA: tl.constexpr, FAST_UNPACK: tl.constexpr,
-    FP32_DOT: tl.constexpr, NUM_STAGES: tl.constexpr,
+    FP32_DOT: tl.constexpr, NUM_STAGES: tl.constexpr, PAIRED: tl.constexpr,
 ):
     """History tokens ``[lo, hi)``, tokens as the MMA rows. ``kc``/``vc``: the codes as contiguous rows of ``HW``
-    elements (halfwords, or bytes for narrow rows; module docstring): a constant row stride keeps short rows aligned
-    for cp.async. ``qps``: q at K's positions, transposed, ``[HW_K, BLOCK_G]`` each (query rows as columns);
-    ``query [BLOCK_G]``: each column's query token, for the mask. Returns m, den ``[BLOCK_G]`` and the output at
-    V's positions, transposed, ``[HW_V, BLOCK_G]`` each.
+    halfwords: a token's ``W/2``, or PAIRED (``W < 32``: D = 64 at 2 bits) a pair's ``W``, a row holding tokens
+    ``2n`` and ``2n + 1``; a constant row stride keeps short rows aligned for cp.async. ``qps``: q at K's
+    positions, transposed, ``[HW_K, BLOCK_G]`` each (query rows as columns); PAIRED, the first BLOCK_G/2 columns
+    read the first token's halfwords (zeros in the others) and the rest the second's, each column a softmax of its
+    own, merged at the end. ``query [BLOCK_G]``: each column's query token, for the mask. Returns m, den
+    ``[BLOCK_G]`` and the output at V's positions, transposed, ``[HW_V, BLOCK_G]`` each (PAIRED: ``[BLOCK_G/2]``
+    and ``[HW_V/2, BLOCK_G/2]``).
 
     The codes of whole tiles are pipelined by Triton (cp.async, ``NUM_STAGES``; the loop names its stages, so loads
     that feed no dot are streamed too), and so are their scales and zeros where a tile's block of them is wide
@@ -357,18 +428,20 @@ def _attend_codes(
     start at a count read on the device, too unaligned for cp.async). The loop-carried register copy of a prefetch
     would wait on its load within the same tile.
 
-    Logits are ``[BLOCK_N, BLOCK_G]`` = K codes ``[BLOCK_N, HW_K]`` · qᵀ per position, the output is V codesᵀ
-    ``[HW_V, BLOCK_N]`` · (p·s) per position: both dots run with the tokens on the tensor cores' big dimensions, so
+    Logits are ``[rows, BLOCK_G]`` = K codes ``[rows, HW_K]`` · qᵀ per position, the output is V codesᵀ
+    ``[HW_V, rows]`` · (p·s) per position: both dots run with the tokens on the tensor cores' big dimensions, so
     a GQA group pads to 8 columns (not 16 rows), and one warp owns whole rows of tokens (its reductions over tokens
     stay in the warp).
     """
-    HW_K: tl.constexpr = qps[0].shape[0]  # elements per code row (as in the kernel)
-    HW_V: tl.constexpr = W_V if W_V < 32 else W_V // 2
+    HW_K: tl.constexpr = qps[0].shape[0]  # elements per tile row (as in the kernel)
+    BYTES_K: tl.constexpr = W_K < 32 and not PAIRED
+    BYTES_V: tl.constexpr = W_V < 32 and not PAIRED
+    HW_V: tl.constexpr = W_V if PAIRED or BYTES_V else W_V // 2
     BLOCK_G: tl.constexpr = qps[0].shape[1]
     NB_K: tl.constexpr = 8 // K_BITS  # codes per byte
     NB_V: tl.constexpr = 8 // V_BITS
     NP_K: tl.constexpr = len(qps)  # positions (code sub-tiles)
-    NP_V: tl.constexpr = NB_V * W_V // HW_V
+    NP_V: tl.constexpr = NB_V if BYTES_V else 2 * NB_V
     NG: tl.constexpr = W_K * NB_K // GROUP
     CENTER: tl.constexpr = ((1 << V_BITS) - 1) / 2
     # a tile's scale/zero block gives each thread of one warp at least 4 bytes: cp.async can stream it
@@ -379,7 +452,7 @@ def _attend_codes(
     # group's logit accumulator, which then holds q·code
     qts = ()
     for P in tl.static_range(NP_K):
-        qts = qts + ((qps[P].to(tl.float32) * _position(k_col, P, K_BITS, MANTISSA, W_K)[0]).to(DT),)
+        qts = qts + ((qps[P].to(tl.float32) * _position(k_col, P, K_BITS, MANTISSA, W_K, BYTES_K)[0]).to(DT),)
     qsums = ()
     q_offs = ()
     for g in tl.static_range(NG):  # a group's positions are added elementwise, then reduced once
@@ -401,28 +474,41 @@ def _attend_codes(
         accs = accs + (tl.zeros([HW_V, BLOCK_G], tl.float32),)
     m = tl.full([BLOCK_G], -1.0e30, tl.float32)  # finite: a fully masked tile leaves alpha = 1 and p = 0
     den = tl.zeros([BLOCK_G], tl.float32)
-    n_next = lo + tl.arange(0, BLOCK_N)
-    meta_next = () if STREAM_META else _meta(ks, kz, vs, vz, n_next, hi, NG, True)
-    mask_next = _mask_tile(mask_row, stride_mq, stride_mt, pos0 + n_next, n_next < hi, query, HAS_MASK, Q_LEN)
+    first = lo // (2 if PAIRED else 1) + tl.arange(0, BLOCK_N // 2 if PAIRED else BLOCK_N)  # the first tile's rows
+    meta_next = () if STREAM_META else _meta(ks, kz, vs, vz, first, hi, NG, True, PAIRED, BLOCK_G)
+    if PAIRED:
+        mask_next = _mask_pairs(mask_row, stride_mq, stride_mt, _tokens(first, tl.arange(0, BLOCK_G), BLOCK_G // 2),
+                                pos0, hi, query, HAS_MASK)
+    else:
+        mask_next = _mask_tile(mask_row, stride_mq, stride_mt, pos0 + first, first < hi, query, HAS_MASK, Q_LEN)
     state = (m, den, pss, pzs, accs, meta_next, mask_next)
     full = lo + (hi - lo) // BLOCK_N * BLOCK_N
     for start in tl.range(lo, full, BLOCK_N, num_stages=NUM_STAGES):  # whole tiles: no bounds checks
         state = _codes_tile(state, start, hi, pos0, kc, ks, kz, vc, vs, vz, mask_row, stride_mq, stride_mt,
                             qk_scale, query, qts, qsums, q_offs, K_BITS, V_BITS, GROUP, W_K, W_V, BLOCK_N,
                             HAS_MASK, Q_LEN, DT, MAGIC_BITS, MAGIC_VALUE, MANTISSA, FAST_UNPACK, FP32_DOT, STREAM_META,
-                            False)
+                            False, PAIRED)
     for start in tl.range(full, hi, BLOCK_N, num_stages=1):  # the last, partial tile
         state = _codes_tile(state, start, hi, pos0, kc, ks, kz, vc, vs, vz, mask_row, stride_mq, stride_mt,
                             qk_scale, query, qts, qsums, q_offs, K_BITS, V_BITS, GROUP, W_K, W_V, BLOCK_N,
                             HAS_MASK, Q_LEN, DT, MAGIC_BITS, MAGIC_VALUE, MANTISSA, FAST_UNPACK, FP32_DOT, STREAM_META,
-                            True)
+                            True, PAIRED)
     m, den, pss, pzs, accs, _, _ = state
+    if PAIRED:  # each column's weight in its query row's softmax, whose max is that of the row's two columns
+        HALF: tl.constexpr = BLOCK_G // 2
+        m_row = tl.max(tl.reshape(m, [2, HALF]), axis=0)
+        weight = tl.exp2((m - tl.reshape(tl.broadcast_to(m_row[None, :], [2, HALF]), [BLOCK_G])) * qk_scale)
+        den = tl.sum(tl.reshape(den * weight, [2, HALF]), axis=0)
+        m = m_row
     out = ()
     for P in tl.static_range(NP_V):  # (acc - M·Σ p·s) / f + Σ p·(z + c̄·s) - c̄·Σ p·s
-        inv_f = _position(v_col, P, V_BITS, MANTISSA, W_V)[0]
+        inv_f = _position(v_col, P, V_BITS, MANTISSA, W_V, BYTES_V)[0]
         ps_sum = pss[P % NB_V * W_V // GROUP]
-        out = out + ((accs[P] - MAGIC_VALUE * ps_sum[None, :]) * inv_f
-                     + (pzs[P % NB_V * W_V // GROUP] - CENTER * ps_sum)[None, :],)
+        o = ((accs[P] - MAGIC_VALUE * ps_sum[None, :]) * inv_f
+             + (pzs[P % NB_V * W_V // GROUP] - CENTER * ps_sum)[None, :])
+        if PAIRED:
+            o = _diagonal(o * weight[None, :])
+        out = out + (o,)
     return m * qk_scale, den, out
 
 
@@ -477,14 +563,16 @@ def _decode_stage1_kernel(
     BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, HAS_MASK: tl.constexpr, Q_LEN: tl.constexpr,
     DT: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr,
     MANTISSA: tl.constexpr, FAST_UNPACK: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr,
-    NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, PAIRED: tl.constexpr,
 ):
     """Query row ``c = r·Q_LEN + t`` of a program is query head ``h·G_Q + r`` at query token ``t``; its partial
     output and lse go to row ``(b·Hq + h·G_Q + r)·Q_LEN + t``."""
     W_K: tl.constexpr = D * K_BITS // 8  # bytes per code row
     W_V: tl.constexpr = D * V_BITS // 8
-    HW_K: tl.constexpr = W_K if W_K < 32 else W_K // 2  # elements per code row: bytes for rows narrower
-    HW_V: tl.constexpr = W_V if W_V < 32 else W_V // 2  # than one MMA K in halfwords (D = 64 at 2 bits)
+    BYTES_K: tl.constexpr = W_K < 32 and not PAIRED  # rows narrower than one MMA K in halfwords: pairs or bytes
+    BYTES_V: tl.constexpr = W_V < 32 and not PAIRED
+    HW_K: tl.constexpr = W_K if PAIRED or BYTES_K else W_K // 2  # elements per tile row
+    HW_V: tl.constexpr = W_V if PAIRED or BYTES_V else W_V // 2
     W: tl.constexpr = W_V  # the window chunks' channel sub-tiles
     WIN_CHUNK: tl.constexpr = WINDOW_TILES * BLOCK_W
     if PDL:  # stage 2 may launch now; it waits for this grid to finish before it reads the partials
@@ -500,14 +588,18 @@ def _decode_stage1_kernel(
     n_recent = tl.load(counts_ptr + 2)
     win_splits = total_splits - hist_splits
     if split >= win_splits:  # history; query rows as columns: q and the output transposed, per halfword position
-        heads = tl.arange(0, BLOCK_G)
+        cols = tl.arange(0, BLOCK_G)
+        heads = cols % (BLOCK_G // 2) if PAIRED else cols  # PAIRED: the second half of the columns repeats them
         keep = heads < G_Q * Q_LEN
         q_cols = q_head + (heads // Q_LEN) * stride_qh + (heads % Q_LEN) * stride_qt
         k_col = tl.arange(0, HW_K)
+        live = keep[None, :]
+        if PAIRED:  # block-diagonal: each half of the columns reads its token's half of a pair row
+            live = live & ((k_col >= HW_K // 2)[:, None] == (cols >= BLOCK_G // 2)[None, :])
         qps = ()
-        for P in tl.static_range(8 // K_BITS * W_K // HW_K):
-            ch = _position(k_col, P, K_BITS, MANTISSA, W_K)[1]
-            qps = qps + (tl.load(q_cols[None, :] + ch[:, None], mask=keep[None, :], other=0.0),)
+        for P in tl.static_range(8 // K_BITS if BYTES_K else 16 // K_BITS):
+            ch = _position(k_col, P, K_BITS, MANTISSA, W_K, BYTES_K)[1]
+            qps = qps + (tl.load(q_cols[None, :] + ch[:, None], mask=live, other=0.0),)
         hist_chunk = tl.cdiv(tl.cdiv(n_hist, hist_splits), BLOCK_N) * BLOCK_N
         lo = (split - win_splits) * hist_chunk
         meta_off = b * stride_zb + h * stride_zh
@@ -517,13 +609,16 @@ def _decode_stage1_kernel(
             vc_ptr + b * stride_vcb + h * stride_vch, vs_ptr + meta_off, vz_ptr + meta_off,
             mask_row, stride_mq, stride_mt, qk_scale, heads % Q_LEN, K_BITS, V_BITS, GROUP, W_K, W_V,
             BLOCK_N, HAS_MASK, Q_LEN, DT, MAGIC_BITS, MAGIC_VALUE, MANTISSA, FAST_UNPACK, FP32_DOT, NUM_STAGES,
+            PAIRED,
         )
+        heads = tl.arange(0, BLOCK_G // 2 if PAIRED else BLOCK_G)
+        keep = heads < G_Q * Q_LEN
         safe_den = tl.where(den > 0, den, 1.0)
         inv_den = 1.0 / safe_den  # one division per query row, then products (a division costs ~10 instructions)
         part = (bh * G_Q * Q_LEN + heads).to(tl.int64) * total_splits + split
-        v_col = tl.arange(0, HW_V)
+        v_col = tl.arange(0, HW_V // 2 if PAIRED else HW_V)
         for P in tl.static_range(len(accs)):
-            ch = _position(v_col, P, V_BITS, MANTISSA, W_V)[1]
+            ch = _position(v_col, P, V_BITS, MANTISSA, W_V, BYTES_V)[1]
             tl.store(part_o_ptr + part[None, :] * D + ch[:, None], accs[P] * inv_den[None, :], mask=keep[None, :])
         tl.store(part_lse_ptr + part, tl.where(den > 0, m + tl.log2(safe_den), float("-inf")), mask=keep)
     else:  # one code path for sink and recent chunks (pointers chosen per program)
@@ -779,7 +874,11 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
     scaling = d**-0.5 if scaling is None else scaling
     interpreting = triton.knobs.runtime.interpret
     pdl = cfg.pdl and not interpreting and _has_pdl(query.device)
-    history = [t.view(torch.int16) if t.dtype == torch.uint8 and t.shape[-1] >= 32 else t for t in history]
+    # code rows narrower than 32 bytes (D = 64 at 2 bits): two tokens' per tile row where that leaves at most 16
+    # columns (each query row twice), else bytes
+    paired = d * min(key_bits, value_bits) // 8 < 32 and 2 * rows <= 16
+    history = [t.view(torch.int16) if t.dtype == torch.uint8 and (paired or t.shape[-1] >= 32) else t
+               for t in history]
     if any(t.stride(2) != t.shape[3] for t in history[::3]):
         raise ValueError("decode reads code rows of contiguous halfwords; got strides "
                          f"{history[0].stride()} and {history[3].stride()}")
@@ -798,14 +897,14 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
             part_o, part_lse,
             counts, hist_splits, sink_splits, total, max(rec_k.shape[2], 1),
             heads, scaling * LOG2E,
-            G_Q=group_q, BLOCK_G=max(8, triton.next_power_of_2(rows)),
+            G_Q=group_q, BLOCK_G=max(8, triton.next_power_of_2(rows * (2 if paired else 1))),
             BLOCK_H=max(16, triton.next_power_of_2(rows)), D=d, K_BITS=key_bits, V_BITS=value_bits,
             GROUP=group, BLOCK_N=cfg.block_n, BLOCK_W=WINDOW_BLOCK[d], HAS_MASK=attention_mask is not None,
             Q_LEN=q_len, DT=dt, MAGIC_BITS=magic_bits, MAGIC_VALUE=magic_value,
             MANTISSA=mantissa, FAST_UNPACK=cfg.fast_unpack and not interpreting,
             FP32_DOT=dt == tl.bfloat16 and interpreting, PDL=pdl, NUM_STAGES=cfg.num_stages,
             PREFETCH=_window_prefetch(cfg, batch * heads, history[0].shape[2], splits, query.device)
-            and not interpreting, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            and not interpreting, PAIRED=paired, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **({"maxnreg": cfg.max_registers} if cfg.max_registers and not interpreting else {}),
         )
         _decode_stage2_kernel[(batch * hq * q_len, d // 32)](
