@@ -59,28 +59,34 @@ def _is_identity(rotation: torch.Tensor) -> bool:
 class OscarKV:
     """What ``update`` hands to the attention function in place of K or V ``[B, H, T, D]``.
 
-    ``new`` holds the rotated K (or V) of the tokens added by this update, at full precision;
-    the rest of the sequence is read from ``layer``.
+    ``new`` holds the rotated K (or V) of the tokens added by this update, at full precision; the rest of the
+    sequence is read from ``layer``. A graph step stores its token rotated by the append kernel and hands over the
+    token as given with its ``rotate``: ``new`` rotates it only if read (the device-side attention does not).
     """
 
-    __slots__ = ("layer", "new")
+    __slots__ = ("layer", "_new", "_rotate")
 
-    def __init__(self, layer: "OscarLayer", new: torch.Tensor):
+    def __init__(self, layer: "OscarLayer", new: torch.Tensor, rotate=None):
         self.layer = layer
-        self.new = new
+        self._new = new
+        self._rotate = rotate
+
+    @property
+    def new(self) -> torch.Tensor:
+        return self._new if self._rotate is None else self._rotate(self._new)
 
     @property
     def shape(self) -> torch.Size:
-        b, h, _, d = self.new.shape
+        b, h, _, d = self._new.shape
         return torch.Size((b, h, self.layer.length, d))
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.new.dtype
+        return self._new.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.new.device
+        return self._new.device
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -242,8 +248,9 @@ class OscarLayer(CacheLayerMixin):
             if cfg.key_quantization == "per-channel"
             else write_backend(cfg.backend, self.device)
         )
-        self.key_rotation = self.key_rotation.to(self.device, self.dtype)
-        self.value_rotation = self.value_rotation.to(self.device, self.dtype)
+        # row-major: the append kernel reads them as such
+        self.key_rotation = self.key_rotation.to(self.device, self.dtype).contiguous()
+        self.value_rotation = self.value_rotation.to(self.device, self.dtype).contiguous()
 
         def empty(*tail: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.empty(batch, heads, 0, *tail, dtype=dtype, device=self.device)
@@ -273,13 +280,14 @@ class OscarLayer(CacheLayerMixin):
 
     def _allocate_static(self, batch: int) -> None:
         """Every buffer at its final size (the recent window with one more row, as a ring buffer), the counts and
-        an error-flag word on the device, all at static addresses for CUDA graphs."""
+        the flags (errors, and the append kernel's arrival count) on the device, all at static addresses for CUDA
+        graphs."""
         cfg = self.config
         _reserve(self.sink, 0, min(cfg.sink_tokens, self.max_cache_len), cfg.sink_tokens)
         _reserve(self.recent, 0, min(self.recent_limit + 1, self.max_cache_len), self.recent_limit + 1)
         self.history.grow(0, max(0, self.max_cache_len - cfg.sink_tokens - cfg.recent_tokens))
         self.counts = torch.zeros(4, dtype=torch.int32, device=self.device)
-        self.flags = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.flags = torch.zeros(2, dtype=torch.int32, device=self.device)  # error flags, the append's arrivals
         if not torch.compiler.is_compiling():
             for t in (*self._tensors(), self.counts, self.flags, self.key_rotation, self.value_rotation):
                 torch._dynamo.mark_static_address(t)
@@ -296,20 +304,19 @@ class OscarLayer(CacheLayerMixin):
         return self.is_initialized and self.graph_step and key_states.shape[2] == 1
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[OscarKV, OscarKV]:
-        """Rotate and store new K/V ``[B, H, n, D]``; return handles for the attention function."""
-        graph_step = self.takes_graph_step(key_states)
-        if not graph_step:
-            self._check_room(key_states, value_states)
+        """Rotate and store new K/V ``[B, H, n, D]``; return handles for the attention function (a graph step
+        rotates in its append kernel)."""
+        if self.takes_graph_step(key_states):
+            from .kernels.triton_append import append
+
+            append(self, key_states, value_states)
+            return OscarKV(self, key_states, self.rotate_keys), OscarKV(self, value_states, self.rotate_values)
+        self._check_room(key_states, value_states)
         new = {
             "key": self.rotate_keys(key_states),
             "value": self.rotate_values(value_states),
         }
-        if graph_step:
-            from .kernels.triton_append import append
-
-            append(self, new["key"], new["value"])
-        else:
-            self._append(new)
+        self._append(new)
         return OscarKV(self, new["key"]), OscarKV(self, new["value"])
 
     def _check_room(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -329,7 +336,7 @@ class OscarLayer(CacheLayerMixin):
         if self.counts_on_device and self.is_initialized:
             from .kernels.triton_write import raise_for_flags
 
-            raise_for_flags(int(self.flags), self.config.torch_scale_dtype)
+            raise_for_flags(int(self.flags[0]), self.config.torch_scale_dtype)
 
     def _unroll_recent(self) -> None:
         """Make the recent window's oldest token row 0 again (after graph steps), for the host-side code."""

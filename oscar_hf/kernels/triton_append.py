@@ -1,14 +1,19 @@
-"""Triton append kernel: one decode step's K/V into a static OscarLayer, counts read on the device.
+"""Triton append kernel: one decode step's K/V, rotated, into a static OscarLayer, counts read and advanced on the
+device.
 
 The pure-torch twin (and oracle) is the layer's eager path, ``OscarLayer._append``: the new token goes to the sink
 while it has room, else to the recent window; when that window is full (``recent_tokens + flush_tokens - 1``
 tokens), its ``flush_tokens`` oldest tokens are first centered (the means set when the history is empty),
 clipped, quantized and packed into the history, with the write kernel's tile code (``triton_write._quantize_tile``).
 
+The token is rotated in the kernel (``x @ R`` on the tensor cores from the model-dtype K or V and rotation, fp32
+sums rounded once to nearest even, as the GEMM of ``cache.rotate`` does up to the order of its sums), which saves
+the step a GEMM launch per rotated side.
 The recent window is a ring buffer of ``recent_tokens + flush_tokens`` rows starting at ``counts[3]``: demotion
-moves no data, and the new token never lands on a row being demoted. No host synchronisation: the counts are
-advanced by torch ops on the device, and errors (non-finite K/V, a scale overflow, a full cache) are or-ed into a
-flag word that the layer checks on its next host-side use (``triton_write.raise_for_flags``).
+moves no data, and the new token never lands on a row being demoted. No host synchronisation: every program reads
+the counts, and the last one to arrive (an atomic count in ``flags[1]``, which it resets) writes them advanced, in
+place of a kernel of its own; errors (non-finite K/V, a scale overflow, a full cache) are or-ed into the flag word
+``flags[0]`` that the layer checks on its next host-side use (``triton_write.raise_for_flags``).
 """
 
 from __future__ import annotations
@@ -54,30 +59,67 @@ def _demote_side(
 
 
 @triton.jit
+def _token(x_ptr, r_ptr, D: tl.constexpr, ROTATE: tl.constexpr, FP32_DOT: tl.constexpr, CHUNK: tl.constexpr = 64):
+    """A token's row ``x [D]``, times ``R [D, D]`` where ROTATE: on the tensor cores, ``x`` as row 0 of a ``[16, D]``
+    operand (fp32 sums of exact products, rounded once; FP32_DOT: fp32 operands, for TRITON_INTERPRET)."""
+    cols = tl.arange(0, D)
+    if ROTATE:
+        rows = tl.arange(0, 16)
+        acc = tl.zeros([16, D], tl.float32)
+        for i in tl.static_range(0, D, CHUNK):
+            inner = i + tl.arange(0, CHUNK)
+            x = tl.load(x_ptr + rows[:, None] * 0 + inner[None, :], mask=rows[:, None] == 0, other=0.0)
+            r = tl.load(r_ptr + inner[:, None] * D + cols[None, :])
+            acc = tl.dot(x.to(tl.float32), r.to(tl.float32), acc) if FP32_DOT else tl.dot(x, r, acc)
+        row = tl.sum(acc, axis=0)  # row 0: the others are zero
+        if x_ptr.dtype.element_ty == tl.bfloat16:  # to nearest even, by hand (TRITON_INTERPRET truncates)
+            bits = row.to(tl.uint32, bitcast=True)
+            bits = tl.where(row == row, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16, 0x7FC0)  # NaN stays NaN
+            row = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            row = row.to(x_ptr.dtype.element_ty)
+    else:
+        row = tl.load(x_ptr + cols)
+    return row
+
+
+@triton.jit
 def _append_token_kernel(
     k_ptr, v_ptr, stride_nb, stride_nh,
     sk_ptr, sv_ptr, stride_sb, stride_sh, stride_sn,
     rk_ptr, rv_ptr, stride_rb, stride_rh, stride_rn,
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, stride_kcb, stride_kch, stride_kcn, stride_vcb, stride_vch,
     stride_vcn, stride_zb, stride_zh, stride_zn,
-    mu_k_ptr, mu_v_ptr, stride_mu_b, stride_mu_h,
+    mu_k_ptr, mu_v_ptr, stride_mu_b, stride_mu_h, rot_k_ptr, rot_v_ptr,
     counts_ptr, flag_ptr, tiny, H, max_len,
     SINK: tl.constexpr, LIMIT: tl.constexpr, CAP: tl.constexpr, FLUSH: tl.constexpr, BLOCK_F: tl.constexpr,
     CENTERED: tl.constexpr, K_CLIP_INDEX: tl.constexpr, V_CLIP_INDEX: tl.constexpr, D: tl.constexpr,
     GROUP: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, SCALE_DT: tl.constexpr,
+    ROTATE_K: tl.constexpr, ROTATE_V: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
     # grid (B·H,): one program per (batch, KV head)
     bh = tl.program_id(0)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
+    k = _token(k_ptr + b * stride_nb + h * stride_nh, rot_k_ptr, D, ROTATE_K, FP32_DOT)
+    v = _token(v_ptr + b * stride_nb + h * stride_nh, rot_v_ptr, D, ROTATE_V, FP32_DOT)
     n_sink = tl.load(counts_ptr)
     n_hist = tl.load(counts_ptr + 1)
     n_rec = tl.load(counts_ptr + 2)
     start = tl.load(counts_ptr + 3)
+    # the counts after this token (as the branches below store it); the last program to arrive writes them
+    room = n_sink + n_hist + n_rec < max_len
+    to_sink = room & (n_sink < SINK)
+    to_recent = room & (n_sink >= SINK)
+    demoted = tl.where(to_recent & (n_rec == LIMIT), FLUSH, 0)
+    if tl.atomic_add(flag_ptr + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:  # the others have read the counts
+        tl.store(counts_ptr, n_sink + to_sink.to(tl.int32))
+        tl.store(counts_ptr + 1, n_hist + demoted)
+        tl.store(counts_ptr + 2, n_rec + to_recent.to(tl.int32) - demoted)
+        tl.store(counts_ptr + 3, (start + demoted) % CAP)
+        tl.store(flag_ptr + 1, 0)
     cols = tl.arange(0, D)
-    k = tl.load(k_ptr + b * stride_nb + h * stride_nh + cols)
-    v = tl.load(v_ptr + b * stride_nb + h * stride_nh + cols)
-    if n_sink + n_hist + n_rec >= max_len:
+    if not room:
         if bh == 0:
             tl.atomic_or(flag_ptr, FULL)
     elif n_sink < SINK:
@@ -107,11 +149,13 @@ def _append_token_kernel(
 
 
 @torch.library.custom_op(
-    "oscar_hf::append_token", mutates_args=("windows", "history", "center", "flags")
+    "oscar_hf::append_token", mutates_args=("windows", "history", "center", "counts", "flags")
 )
 def append_token(
     key: torch.Tensor,
     value: torch.Tensor,
+    key_rotation: torch.Tensor | None,
+    value_rotation: torch.Tensor | None,
     windows: list[torch.Tensor],
     history: list[torch.Tensor],
     center: list[torch.Tensor],
@@ -127,9 +171,10 @@ def append_token(
     k_clip_index: int,
     v_clip_index: int,
 ) -> None:
-    """Store one token's rotated K and V ``[B, H, 1, D]`` (the model dtype) into the layer tensors of
-    ``triton_decode.layer_tensors``, as an operator that torch.compile traces and CUDA graphs capture; ``counts``
-    int32 ``[4]`` is read, not advanced (:func:`advance_counts`)."""
+    """Store one token's K and V ``[B, H, 1, D]`` (the model dtype), times their rotations ``[D, D]`` (the model
+    dtype; None: stored as given), into the layer tensors of ``triton_decode.layer_tensors``, and advance the counts
+    int32 ``[4]``; ``flags`` int32 ``[2]``: the error flags and the kernel's arrival count (zero between calls). An
+    operator that torch.compile traces and CUDA graphs capture."""
     batch, heads, _, d = key.shape
     key, value = key.contiguous(), value.contiguous()
     sink_k, sink_v, rec_k, rec_v = windows
@@ -141,43 +186,31 @@ def append_token(
             sink_k, sink_v, *sink_k.stride()[:3],
             rec_k, rec_v, *rec_k.stride()[:3],
             kc, ks, kz, vc, vs, vz, *kc.stride()[:3], *vc.stride()[:3], *ks.stride()[:3],
-            *mu,
+            *mu, *(key if r is None else r.contiguous() for r in (key_rotation, value_rotation)),
             counts, flags, torch.finfo(ks.dtype).tiny, heads, max_len,
             SINK=sink_tokens, LIMIT=limit, CAP=rec_k.shape[2], FLUSH=flush,
             BLOCK_F=triton.next_power_of_2(flush), CENTERED=bool(center),
             K_CLIP_INDEX=k_clip_index, V_CLIP_INDEX=v_clip_index, D=d, GROUP=group, K_BITS=key_bits, V_BITS=value_bits,
-            SCALE_DT=TL_DTYPES[ks.dtype], num_warps=4,
+            SCALE_DT=TL_DTYPES[ks.dtype], ROTATE_K=key_rotation is not None, ROTATE_V=value_rotation is not None,
+            FP32_DOT=key.dtype == torch.bfloat16 and triton.knobs.runtime.interpret, num_warps=4,
         )
 
 
 @append_token.register_fake
-def _(key, value, windows, history, center, counts, flags, max_len, sink_tokens, limit, flush, key_bits, value_bits,
-      group, k_clip_index, v_clip_index):
+def _(key, value, key_rotation, value_rotation, windows, history, center, counts, flags, max_len, sink_tokens, limit,
+      flush, key_bits, value_bits, group, k_clip_index, v_clip_index):
     return None
 
 
-def advance_counts(counts: torch.Tensor, max_len: int, sink_tokens: int, limit: int, flush: int, ring: int) -> None:
-    """Advance the counts int32 ``[4]`` (sink, history, recent, ring start) past one appended token, in place and on
-    the device, as the append kernel stored it (``ring``: rows of the recent ring buffer)."""
-    n_sink, n_hist, n_rec, start = counts.unbind()
-    room = (n_sink + n_hist + n_rec < max_len).int()
-    to_sink = (n_sink < sink_tokens).int() * room
-    to_recent = room - to_sink
-    demoted = to_recent * (n_rec == limit).int() * flush
-    counts.copy_(torch.stack([n_sink + to_sink, n_hist + demoted, n_rec + to_recent - demoted,
-                              (start + demoted) % ring]))
-
-
 def append(layer, key: torch.Tensor, value: torch.Tensor) -> None:
-    """Store one token's rotated K and V ``[B, H, 1, D]`` into a static OscarLayer and advance its counts, on the
-    device: the graph step's half of ``OscarLayer._append``."""
+    """Rotate one token's K and V ``[B, H, 1, D]``, store them into a static OscarLayer and advance its counts, on
+    the device: the graph step's half of ``OscarLayer.update``."""
     cfg = layer.config
     windows, history, center = layer_tensors(layer)
     d = key.shape[-1]
-    args = (layer.max_cache_len, cfg.sink_tokens, layer.recent_limit, cfg.flush_tokens)
     torch.ops.oscar_hf.append_token(
-        key, value, windows, history, center, layer.counts, layer.flags, *args, *cfg.side_bits.values(),
-        layer.group_size,
-        kernel_clip_index(cfg.k_clip, d), kernel_clip_index(cfg.v_clip, d),
+        key, value, layer.key_rotation if layer.rotates_keys else None,
+        layer.value_rotation if layer.rotates_values else None, windows, history, center, layer.counts, layer.flags,
+        layer.max_cache_len, cfg.sink_tokens, layer.recent_limit, cfg.flush_tokens, *cfg.side_bits.values(),
+        layer.group_size, kernel_clip_index(cfg.k_clip, d), kernel_clip_index(cfg.v_clip, d),
     )
-    advance_counts(layer.counts, *args, windows[2].shape[2])
