@@ -186,7 +186,8 @@ def test_decode_history_lengths(dim, n_history):
 
 @pytest.mark.parametrize(
     "groups, dim, dtype",
-    [(1, 64, torch.float16), (4, 64, torch.bfloat16), (8, 128, torch.float16), (16, 128, torch.bfloat16),
+    [(1, 64, torch.float16), (4, 64, torch.bfloat16), (8, 64, torch.float16), (8, 128, torch.float16),
+     (16, 128, torch.bfloat16),
      (2, 256, torch.bfloat16), (8, 256, torch.float16)],
     ids=lambda v: DTYPE_IDS.get(v, str(v)),
 )
@@ -223,7 +224,7 @@ def test_decode_running_max_rises_along_one_split(dtype, dim):
 
 @pytest.mark.parametrize("q_len, groups, dim, dtype, masked", [
     (2, 4, 128, torch.bfloat16, False), (4, 4, 64, torch.float16, True), (7, 2, 128, torch.float16, True),
-    (3, 8, 256, torch.bfloat16, True),
+    (3, 8, 256, torch.bfloat16, True), (2, 4, 64, torch.bfloat16, True),  # D = 64: 8 query rows in pair rows
 ], ids=lambda v: DTYPE_IDS.get(v, str(v)))
 def test_decode_several_query_tokens(q_len, groups, dim, dtype, masked):
     """A verify step: the q newest tokens (in the recent window) against sink, history and recent, causal among
