@@ -532,16 +532,17 @@ def static_and_host_layers(dim, *, max_len=120, **config):
      (40, dict(sink_tokens=4, recent_tokens=8, flush_tokens=4, k_clip=1.0, v_clip=1.0, centering=False)),
      (30, dict(sink_tokens=0, recent_tokens=6, flush_tokens=1, group_size=32)),
      (20, dict(sink_tokens=2, recent_tokens=6, flush_tokens=2, key_bits=4, centering=False)),
-     (20, dict(sink_tokens=2, recent_tokens=6, flush_tokens=2, centering=False, dtype=torch.float16))],
-    ids=["sink-first", "uncentered-unclipped", "no-sink-flush-1", "4-bit-keys", "fp16"],
+     (20, dict(sink_tokens=2, recent_tokens=6, flush_tokens=2, centering=False, dtype=torch.float16)),
+     (10, dict(sink_tokens=2, recent_tokens=4, flush_tokens=2, centering=False, dim=256))],
+    ids=["sink-first", "uncentered-unclipped", "no-sink-flush-1", "4-bit-keys", "fp16", "D256"],
 )
 def test_graph_step_stores_what_the_host_path_stores(prompt, config):
     """Steps through the append operator (rotation, ring buffer, device counts) leave the same sequence as the host
     path: codes, scales and zeros bit for bit without centering; with it, the means are summed in another order."""
     config = dict(config)
-    dtype = config.pop("dtype", torch.bfloat16)
-    static, host = static_and_host_layers(64, **config)
-    kv = ((randn(2, 2, 3, 100, 64, seed=11) * 8).round() / 4).to(dtype)
+    dtype, dim = config.pop("dtype", torch.bfloat16), config.pop("dim", 64)
+    static, host = static_and_host_layers(dim, **config)
+    kv = ((randn(2, 2, 3, 100, dim, seed=11) * 8).round() / 4).to(dtype)
     for layer in (static, host):
         layer.update(kv[0, :, :, :prompt], kv[1, :, :, :prompt])
     assert static.graph_step and static.counts_on_device and not host.graph_step
