@@ -26,11 +26,11 @@ row of W halfwords, the first token's in halfwords ``u < W/2``, where that leave
 row gets two columns, the first reading the first token's halfwords (q is zero on the other half: a
 block-diagonal q), the second the second token's, each its own online softmax, merged at the end with the
 output's diagonal blocks (the V dot's other blocks mix the tokens and are dropped). A GQA group of 4 then fills
-the 8 columns that one token per row would pad (H100, 32q/8kv: batch 8, 128K 62.5 → 73.4% of the copy
-bandwidth, batch 32, 32K 63.7 → 75.9%). With more query rows (a verify step), such rows are read as bytes:
-position ``P = i`` is the byte tile shifted by ``i·bits`` (f = 1), two byte permutes per 4 codes. q is gathered
-per position the way K is, and the output scattered the way V is (K and V may have different bits). Scale and
-zero stay out of the element loop (per token and group):
+the 8 columns that one token per row would pad (H100, 32q/8kv: batch 8, 128K 62.8 → 73.8% of the copy
+bandwidth, batch 32, 32K 63.6 → 74.6%; ``bench_decode-dev-runs/probe_pairs.log``). With more query rows (a
+verify step), such rows are read as bytes: position ``P = i`` is the byte tile shifted by ``i·bits`` (f = 1), two
+byte permutes per 4 codes. q is gathered per position the way K is, and the output scattered the way V is (K and V
+may have different bits). Scale and zero stay out of the element loop (per token and group):
 
 * K: the logit accumulator starts at ``-M·Σ(q/f)``, so the dots leave ``q·c`` and
   ``logit = s·(q·c) + z·Σq``;
