@@ -205,11 +205,18 @@ def test_decode_windows_only_and_no_sink():
     check_decode(2, 2, 4, 64, 50, torch.bfloat16, sink=0, pads=(0, 7))  # empty sink
 
 
-def test_decode_many_splits_and_partial_tiles():
-    """Small tiles and tiny splits: many history, sink and recent chunks, each ending mid-tile, merged by LSE."""
-    config = DecodeConfig(block_n=32, min_split_bytes=1024)
-    check_decode(2, 2, 4, 128, 301, torch.float16, config=config, sink=40, recent=70, pads=(0, 45))
-    check_decode(2, 2, 4, 64, 301, torch.bfloat16, config=config, sink=40, recent=70, pads=(0, 45))
+@pytest.mark.parametrize("dim, dtype, split_bytes, splits", [
+    (128, torch.float16, 1024, 10), (64, torch.bfloat16, 1024, 10),  # one tile per split
+    (128, torch.float16, 6000, 3), (64, torch.bfloat16, 3000, 4),  # the partial tile not the last split's
+], ids=lambda v: DTYPE_IDS.get(v, str(v)))
+def test_decode_many_splits_and_partial_tiles(dim, dtype, split_bytes, splits):
+    """Small tiles and tiny splits: many history, sink and recent chunks, merged by LSE. History split s of S reads
+    tiles s, s + S, ... of the 10 (the tenth partial: 301 tokens), so with 3 or 4 splits split 0 or 1 owns the
+    partial tile among whole ones."""
+    config = DecodeConfig(block_n=32, min_split_bytes=split_bytes)
+    hist_bytes = 2 * (dim // 4 + 4)  # K and V codes, scale and zero per token
+    assert math.ceil(301 / triton_decode.plan_splits(2 * 2, 301, hist_bytes, config, 132)) == splits
+    check_decode(2, 2, 4, dim, 301, dtype, config=config, sink=40, recent=70, pads=(0, 45))
 
 
 @pytest.mark.parametrize("dtype, dim", [(torch.bfloat16, 128), (torch.float16, 128), (torch.bfloat16, 64)],

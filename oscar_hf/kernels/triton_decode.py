@@ -4,13 +4,17 @@ the few newest ones (assisted decoding's verify step, causal among them).
 The pure-torch twin (and oracle) is :func:`oscar_hf.kernels.naive.attend`.
 
 Stage 1 (grid ``B·H × splits``): a program serves one KV head's whole GQA group (so each KV tile is loaded once
-per group) over one chunk of the sequence, with a one-pass online softmax in base 2, and writes a normalised
-partial output and its log-sum-exp. History chunks put the tokens on the tensor cores' big dimensions (logits
+per group) over one part of the sequence, with a one-pass online softmax in base 2, and writes a normalised
+partial output and its log-sum-exp. History programs put the tokens on the tensor cores' big dimensions (logits
 ``[tokens, g]`` = K codes · qᵀ, output ᵀ = V codesᵀ · p, the ``g`` query heads padded to ``BLOCK_G >= 8``
 columns), so a program of one warp owns whole rows of tokens; sink/recent chunks use q as the rows (padded to
-``BLOCK_H >= 16``). History chunks (packed codes) are sized so that they fill one wave of ``programs_per_sm``
+``BLOCK_H >= 16``). History splits (packed codes) are as many as fill one wave of ``programs_per_sm``
 programs per SM (fewer where the programs would be short or the window programs few but not rare:
-:func:`plan_splits`); sink/recent chunks (model dtype) are
+:func:`plan_splits`); split ``s`` of ``S`` reads tiles ``s, s + S, ...``, so that a head's programs stream
+neighbouring tiles at once (H100, against one contiguous chunk per split in the same run: 1-4% faster at batch 1
+to 8, T = 32K and 128K, D = 64, 128, 256; at batch 32, 32K (6-8 splits per head) within ±1%, as two launches of one
+config differ there; ``bench_decode-dev-runs/probe_interleave.log``, ``probe_interleave_modes.log``);
+sink/recent chunks (model dtype) are
 two tiles each and come first in the grid (where they are few, they first ask L2 for their rows:
 :func:`_window_prefetch`). Stage 2 (grid ``B·Hq·q × D/32``) merges the chunks by log-sum-exp.
 
@@ -288,7 +292,7 @@ def _mask_pairs(mask_row, stride_mq, stride_mt, tokens, pos0, hi, query, HAS_MAS
 
 @triton.jit
 def _codes_tile(
-    state, start, hi, pos0, kc, ks, kz, vc, vs, vz, mask_row, stride_mq, stride_mt, qk_scale, query,
+    state, start, step, hi, pos0, kc, ks, kz, vc, vs, vz, mask_row, stride_mq, stride_mt, qk_scale, query,
     qts, qsums, q_offs, K_BITS: tl.constexpr, V_BITS: tl.constexpr, GROUP: tl.constexpr, W_K: tl.constexpr,
     W_V: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, Q_LEN: tl.constexpr, DT: tl.constexpr,
     MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr, MANTISSA: tl.constexpr, FAST_UNPACK: tl.constexpr,
@@ -320,7 +324,7 @@ def _codes_tile(
     v_col = tl.arange(0, HW_V)
     g_col = tl.arange(0, BLOCK_G)
     n = start // (BLOCK_N // ROWS) + tl.arange(0, ROWS)  # tile rows: tokens, or token pairs
-    n_next = n + ROWS
+    n_next = n + step // (BLOCK_N // ROWS)  # the program's next tile
     if STREAM_META:
         meta = _meta(ks, kz, vs, vz, n, hi, NG, MASKED, PAIRED, BLOCK_G)
         meta_next = ()
@@ -407,13 +411,14 @@ def _diagonal(x):
 
 @triton.jit
 def _attend_codes(
-    qps, lo, hi, pos0, kc, ks, kz, vc, vs, vz, mask_row, stride_mq, stride_mt,
+    qps, lo, step, hi, pos0, kc, ks, kz, vc, vs, vz, mask_row, stride_mq, stride_mt,
     qk_scale, query, K_BITS: tl.constexpr, V_BITS: tl.constexpr, GROUP: tl.constexpr, W_K: tl.constexpr,
     W_V: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, Q_LEN: tl.constexpr, DT: tl.constexpr,
     MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr, MANTISSA: tl.constexpr, FAST_UNPACK: tl.constexpr,
     FP32_DOT: tl.constexpr, NUM_STAGES: tl.constexpr, PAIRED: tl.constexpr,
 ):
-    """History tokens ``[lo, hi)``, tokens as the MMA rows. ``kc``/``vc``: the codes as contiguous rows of ``HW``
+    """History tiles of tokens ``lo + i·step`` onwards, below ``hi`` (``step`` a multiple of ``BLOCK_N``), tokens
+    as the MMA rows. ``kc``/``vc``: the codes as contiguous rows of ``HW``
     halfwords: a token's ``W/2``, or PAIRED (``W < 32``: D = 64 at 2 bits) a pair's ``W``, a row holding tokens
     ``2n`` and ``2n + 1``; a constant row stride keeps short rows aligned for cp.async. ``qps``: q at K's
     positions, transposed, ``[HW_K, BLOCK_G]`` each (query rows as columns); PAIRED, the first BLOCK_G/2 columns
@@ -482,14 +487,14 @@ def _attend_codes(
     else:
         mask_next = _mask_tile(mask_row, stride_mq, stride_mt, pos0 + first, first < hi, query, HAS_MASK, Q_LEN)
     state = (m, den, pss, pzs, accs, meta_next, mask_next)
-    full = lo + (hi - lo) // BLOCK_N * BLOCK_N
-    for start in tl.range(lo, full, BLOCK_N, num_stages=NUM_STAGES):  # whole tiles: no bounds checks
-        state = _codes_tile(state, start, hi, pos0, kc, ks, kz, vc, vs, vz, mask_row, stride_mq, stride_mt,
+    full = lo + tl.cdiv(tl.maximum(hi // BLOCK_N * BLOCK_N - lo, 0), step) * step  # past the program's whole tiles
+    for start in tl.range(lo, full, step, num_stages=NUM_STAGES):  # whole tiles: no bounds checks
+        state = _codes_tile(state, start, step, hi, pos0, kc, ks, kz, vc, vs, vz, mask_row, stride_mq, stride_mt,
                             qk_scale, query, qts, qsums, q_offs, K_BITS, V_BITS, GROUP, W_K, W_V, BLOCK_N,
                             HAS_MASK, Q_LEN, DT, MAGIC_BITS, MAGIC_VALUE, MANTISSA, FAST_UNPACK, FP32_DOT, STREAM_META,
                             False, PAIRED)
-    for start in tl.range(full, hi, BLOCK_N, num_stages=1):  # the last, partial tile
-        state = _codes_tile(state, start, hi, pos0, kc, ks, kz, vc, vs, vz, mask_row, stride_mq, stride_mt,
+    for start in tl.range(full, hi, step, num_stages=1):  # the last, partial tile, if it is the program's
+        state = _codes_tile(state, start, step, hi, pos0, kc, ks, kz, vc, vs, vz, mask_row, stride_mq, stride_mt,
                             qk_scale, query, qts, qsums, q_offs, K_BITS, V_BITS, GROUP, W_K, W_V, BLOCK_N,
                             HAS_MASK, Q_LEN, DT, MAGIC_BITS, MAGIC_VALUE, MANTISSA, FAST_UNPACK, FP32_DOT, STREAM_META,
                             True, PAIRED)
@@ -600,11 +605,9 @@ def _decode_stage1_kernel(
         for P in tl.static_range(8 // K_BITS if BYTES_K else 16 // K_BITS):
             ch = _position(k_col, P, K_BITS, MANTISSA, W_K, BYTES_K)[1]
             qps = qps + (tl.load(q_cols[None, :] + ch[:, None], mask=live, other=0.0),)
-        hist_chunk = tl.cdiv(tl.cdiv(n_hist, hist_splits), BLOCK_N) * BLOCK_N
-        lo = (split - win_splits) * hist_chunk
         meta_off = b * stride_zb + h * stride_zh
         m, den, accs = _attend_codes(
-            qps, lo, tl.minimum(lo + hist_chunk, n_hist), n_sink,
+            qps, (split - win_splits) * BLOCK_N, hist_splits * BLOCK_N, n_hist, n_sink,
             kc_ptr + b * stride_kcb + h * stride_kch, ks_ptr + meta_off, kz_ptr + meta_off,
             vc_ptr + b * stride_vcb + h * stride_vch, vs_ptr + meta_off, vz_ptr + meta_off,
             mask_row, stride_mq, stride_mt, qk_scale, heads % Q_LEN, K_BITS, V_BITS, GROUP, W_K, W_V,
@@ -732,8 +735,9 @@ def _has_pdl(device: torch.device) -> bool:
 
 def plan_splits(batch_heads: int, n_hist: int, hist_bytes: int, cfg: DecodeConfig, sm_count: int,
                 window_programs: int = 0) -> int:
-    """Tokens per history chunk (whole ``block_n`` tiles; ``hist_bytes``: K + V bytes per token), so that the
-    history programs fill one wave of ``programs_per_sm · sm_count`` programs without spilling into a second (fewer
+    """History tokens per split (whole ``block_n`` tiles, interleaved with the other splits' tiles; ``hist_bytes``:
+    K + V bytes per token), so that the history programs fill one wave of ``programs_per_sm · sm_count`` programs
+    without spilling into a second (fewer
     when a chunk would read less than ``min_split_bytes``), with fewer programs per SM (by 2, down to 8) while a
     chunk would hold fewer than ``min_program_tiles`` tiles and the history programs outnumber the
     ``window_programs`` at least twice (where these are many, as at batch 32 and 4K, more and shorter history
