@@ -777,9 +777,9 @@ def plan_splits(batch_heads: int, n_hist: int, hist_bytes: int, cfg: DecodeConfi
 def _window_prefetch(cfg: DecodeConfig, batch_heads: int, hist_capacity: int, splits: list[int],
                      device: torch.device) -> bool:
     """Whether the window (sink/recent) programs prefetch their rows: where they are few (at most one per two SMs)
-    they are chains of dependent loads that wait behind the history's stream, and where the history chunks are short
-    (at most 8 tiles, judged from the history's capacity: a static cache plans once) they finish last (H100, batch 1:
-    4K 14.8 → 11.1 µs, 32K 19.8 → 18.0 µs; always on, batches 8 and 32 were 2-5% slower)."""
+    they are chains of dependent loads that wait behind the history's stream, and where the history splits are
+    short (at most 8 tiles each, judged from the history's capacity: a static cache plans once) they finish last
+    (H100, batch 1: 4K 14.8 → 11.1 µs, 32K 19.8 → 18.0 µs; always on, batches 8 and 32 were 2-5% slower)."""
     if cfg.window_prefetch is not None:
         return cfg.window_prefetch
     hist_splits, _, total = splits
@@ -822,9 +822,9 @@ def plan(layer, batch: int, lengths: tuple[int, int, int] | None = None, config:
          query_len: int = 1) -> list[int]:
     """``[history splits, sink splits, total splits]`` of stage 1 for an OscarLayer holding ``lengths``
     (sink, history, recent) tokens; None plans for its capacities, so that one launch serves every length (the
-    kernel sizes its history chunks from the counts it reads). Splits are ordered sink, recent, history: the
-    window chunks (``WINDOW_TILES`` tiles each, unpipelined) start in the first wave instead of trailing the last
-    one."""
+    kernel spreads the history tiles it finds in the counts over the planned splits). Splits are ordered sink,
+    recent, history: the window chunks (``WINDOW_TILES`` tiles each, unpipelined) start in the first wave instead of
+    trailing the last one."""
     sink, hist, recent = layer.sink, layer.history, layer.recent
     d = sink["key"].shape[-1]
     n_sink, n_hist, n_recent = lengths or (sink.capacity, hist.capacity, recent.capacity)
