@@ -23,6 +23,10 @@ Methods (--methods):
   ``cache_implementation="static"`` builds; generate compiles its decode forward with transformers' default
   ``CompileConfig`` (inductor, "reduce-overhead"). The ``compiled`` column is generate's own test
   (``_valid_auto_compile_criteria``), ``graphs`` the graphs torch.compile made during the call;
+* ``bf16-static-gqa-compiled``: ``bf16-static-compiled`` with SDPA's own grouped-query attention
+  (``enable_gqa=True``) under the mask (``GQA_ATTENTION``), where transformers' sdpa attention copies K and V with
+  the KV heads repeated whenever a mask is given, as a static cache's always is: a bf16 baseline without those
+  copies (which SDPA backend runs it is up to torch);
 * ``quantized-quanto``, ``quantized-hqq``: ``QuantizedCache(backend, config=model.config, nbits=2)``, or
   "not-installed" rows when the backend does not import.
 
@@ -79,8 +83,11 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 import transformers
 from transformers import (
+    AttentionInterface,
+    AttentionMaskInterface,
     AutoModelForCausalLM,
     DynamicCache,
     LogitsProcessor,
@@ -88,6 +95,7 @@ from transformers import (
     QuantizedCache,
     StaticCache,
 )
+from transformers.masking_utils import sdpa_mask
 
 from oscar_hf import ModelShape, OscarConfig, OscarQuantizedCache, OscarRotations, absorb_value_rotation
 from oscar_hf.evaluation.environment import GIB, device_slug, environment
@@ -165,6 +173,21 @@ def _oscar(model: torch.nn.Module, tokens: int, static: bool = False, key_bits: 
                                                key_bits=key_bits)
 
 
+GQA_ATTENTION = "sdpa_gqa"
+
+
+def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """``query [B, Hq, q, D]``, ``key``/``value [B, Hkv, T, D]`` → ``([B, q, Hq, D], None)``: SDPA with
+    ``enable_gqa`` and the bool mask (causal without one, as transformers' sdpa attention)."""
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                         is_causal=attention_mask is None and query.shape[2] > 1, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(GQA_ATTENTION, sdpa_gqa_attention)
+AttentionMaskInterface.register(GQA_ATTENTION, sdpa_mask)
+
+
 def _quantized(backend: str) -> Callable:
     return lambda model, tokens: QuantizedCache(backend=backend, config=model.config, nbits=QUANTIZED_BITS)
 
@@ -179,6 +202,8 @@ METHODS = {m.name: m for m in (
            lambda shape, tokens: OscarConfig(key_bits=4).bits_per_element(shape.head_dim, tokens)),
     Method("bf16-dynamic", "sdpa", lambda model, tokens: DynamicCache(config=model.config), lambda shape, tokens: 16),
     Method("bf16-static-compiled", "sdpa",
+           lambda model, tokens: StaticCache(config=model.config, max_cache_len=tokens), lambda shape, tokens: 16),
+    Method("bf16-static-gqa-compiled", GQA_ATTENTION,
            lambda model, tokens: StaticCache(config=model.config, max_cache_len=tokens), lambda shape, tokens: 16),
     Method("quantized-quanto", "sdpa", _quantized("quanto"), lambda shape, tokens: QUANTIZED_BITS,
            requires="optimum.quanto", chunked_fill=False),

@@ -144,3 +144,23 @@ def test_split_map_spreads_the_layers_evenly_in_order():
     assert layers == [0] * 18 + [1] * 18
     assert device_map["model.embed_tokens"] == 0 and device_map["lm_head"] == device_map["model.norm"] == 1
     assert [bench.split_map(32, 3)[f"model.layers.{i}"] for i in range(32)].count(2) == 10
+
+
+def test_gqa_attention_gives_transformers_sdpa_logits_over_a_static_cache():
+    """bf16-static-gqa-compiled's attention (SDPA's own GQA under the mask, no repeated K/V) against transformers'
+    sdpa attention: a left-padded batch over a static cache with unused slots, prefill and four decode steps."""
+    from transformers import StaticCache
+
+    model = bench.build_model("qwen3-tiny", torch.device("cpu")).float()
+    ids = torch.randint(1, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    logits = []
+    for attention in ("sdpa", bench.GQA_ATTENTION):
+        model.set_attn_implementation(attention)
+        out = model.generate(ids, attention_mask=mask, past_key_values=StaticCache(config=model.config,
+                             max_cache_len=32), max_new_tokens=4, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, disable_compile=True)
+        logits.append(torch.stack(out.logits))
+    assert model.config.num_attention_heads > model.config.num_key_value_heads  # GQA
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
