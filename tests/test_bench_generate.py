@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import StaticCache
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "eval" / "bench_generate.py"
@@ -149,8 +150,6 @@ def test_split_map_spreads_the_layers_evenly_in_order():
 def test_gqa_attention_gives_transformers_sdpa_logits_over_a_static_cache():
     """bf16-static-gqa-compiled's attention (SDPA's own GQA under the mask, no repeated K/V) against transformers'
     sdpa attention: a left-padded batch over a static cache with unused slots, prefill and four decode steps."""
-    from transformers import StaticCache
-
     model = bench.build_model("qwen3-tiny", torch.device("cpu")).float()
     ids = torch.randint(1, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)

@@ -3,20 +3,18 @@ the few newest ones (assisted decoding's verify step, causal among them).
 
 The pure-torch twin (and oracle) is :func:`oscar_hf.kernels.naive.attend`.
 
-Stage 1 (grid ``B·H × splits``): a program serves one KV head's whole GQA group (so each KV tile is loaded once
-per group) over one part of the sequence, with a one-pass online softmax in base 2, and writes a normalised
-partial output and its log-sum-exp. History programs put the tokens on the tensor cores' big dimensions (logits
-``[tokens, g]`` = K codes · qᵀ, output ᵀ = V codesᵀ · p, the ``g`` query heads padded to ``BLOCK_G >= 8``
-columns), so a program of one warp owns whole rows of tokens; sink/recent chunks use q as the rows (padded to
-``BLOCK_H >= 16``). History splits (packed codes) are as many as fill one wave of ``programs_per_sm``
-programs per SM (fewer where the programs would be short or the window programs few but not rare:
-:func:`plan_splits`); split ``s`` of ``S`` reads tiles ``s, s + S, ...``, so that a head's programs stream
-neighbouring tiles at once (H100, against one contiguous chunk per split in the same run: 1-4% faster at batch 1
-to 8, T = 32K and 128K, D = 64, 128, 256; at batch 32, 32K (6-8 splits per head) within ±1%, as two launches of one
-config differ there; ``bench_decode-dev-runs/probe_interleave.log``, ``probe_interleave_modes.log``);
-sink/recent chunks (model dtype) are
-two tiles each and come first in the grid (where they are few, they first ask L2 for their rows:
-:func:`_window_prefetch`). Stage 2 (grid ``B·Hq·q × D/32``) merges the chunks by log-sum-exp.
+Stage 1 (grid ``B·H × splits``): a program serves one KV head's whole GQA group (so each KV tile is loaded once per
+group) over one part of the sequence, with a one-pass online softmax in base 2, and writes a normalised partial output
+and its log-sum-exp. History programs put the tokens on the tensor cores' big dimensions (logits ``[tokens, g]`` = K
+codes · qᵀ, output ᵀ = V codesᵀ · p, the ``g`` query heads padded to ``BLOCK_G >= 8`` columns), so a program of one warp
+owns whole rows of tokens; sink/recent chunks use q as the rows (padded to ``BLOCK_H >= 16``). History splits (packed
+codes) are as many as fill one wave of ``programs_per_sm`` programs per SM (fewer where the programs would be short or
+the window programs few but not rare: :func:`plan_splits`); split ``s`` of ``S`` reads tiles ``s, s + S, ...``, so that
+a head's programs stream neighbouring tiles at once (H100, against one contiguous chunk per split in the same run: 1-4%
+faster at batch 1 to 8, T = 32K and 128K, D = 64, 128, 256; at batch 32, 32K (6-8 splits per head) within ±1%, as two
+launches of one config differ there; ``bench_decode-dev-runs/probe_interleave.log``, ``probe_interleave_modes.log``).
+Sink/recent chunks (model dtype) are two tiles each and come first in the grid (where they are few, they first ask L2
+for their rows: :func:`_window_prefetch`). Stage 2 (grid ``B·Hq·q × D/32``) merges the chunks by log-sum-exp.
 
 History tiles. Byte ``j`` of a code row holds channels ``j + i·W`` (``W = D·bits/8``, ``i < 8/bits``), so halfword
 ``u`` holds channel ``2u + e + i·W`` at bit ``8e + i·bits`` (e = 0, 1): its position ``P = e·8/bits + i``. Rows of
@@ -417,15 +415,14 @@ def _attend_codes(
     MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr, MANTISSA: tl.constexpr, FAST_UNPACK: tl.constexpr,
     FP32_DOT: tl.constexpr, NUM_STAGES: tl.constexpr, PAIRED: tl.constexpr,
 ):
-    """History tiles of tokens ``lo + i·step`` onwards, below ``hi`` (``step`` a multiple of ``BLOCK_N``), tokens
-    as the MMA rows. ``kc``/``vc``: the codes as contiguous rows of ``HW``
-    halfwords: a token's ``W/2``, or PAIRED (``W < 32``: D = 64 at 2 bits) a pair's ``W``, a row holding tokens
-    ``2n`` and ``2n + 1``; a constant row stride keeps short rows aligned for cp.async. ``qps``: q at K's
-    positions, transposed, ``[HW_K, BLOCK_G]`` each (query rows as columns); PAIRED, the first BLOCK_G/2 columns
-    read the first token's halfwords (zeros in the others) and the rest the second's, each column a softmax of its
-    own, merged at the end. ``query [BLOCK_G]``: each column's query token, for the mask. Returns m, den
-    ``[BLOCK_G]`` and the output at V's positions, transposed, ``[HW_V, BLOCK_G]`` each (PAIRED: ``[BLOCK_G/2]``
-    and ``[HW_V/2, BLOCK_G/2]``).
+    """History tiles of tokens ``lo + i·step`` onwards, below ``hi`` (``step`` a multiple of ``BLOCK_N``), tokens as the
+    MMA rows. ``kc``/``vc``: the codes as contiguous rows of ``HW`` halfwords: a token's ``W/2``, or PAIRED (``W < 32``:
+    D = 64 at 2 bits) a pair's ``W``, a row holding tokens ``2n`` and ``2n + 1``; a constant row stride keeps short rows
+    aligned for cp.async. ``qps``: q at K's positions, transposed, ``[HW_K, BLOCK_G]`` each (query rows as columns);
+    PAIRED, the first BLOCK_G/2 columns read the first token's halfwords (zeros in the others) and the rest the
+    second's, each column a softmax of its own, merged at the end. ``query [BLOCK_G]``: each column's query token, for
+    the mask. Returns m, den ``[BLOCK_G]`` and the output at V's positions, transposed, ``[HW_V, BLOCK_G]`` each
+    (PAIRED: ``[BLOCK_G/2]`` and ``[HW_V/2, BLOCK_G/2]``).
 
     The codes of whole tiles are pipelined by Triton (cp.async, ``NUM_STAGES``; the loop names its stages, so loads
     that feed no dot are streamed too), and so are their scales and zeros where a tile's block of them is wide
@@ -735,20 +732,18 @@ def _has_pdl(device: torch.device) -> bool:
 
 def plan_splits(batch_heads: int, n_hist: int, hist_bytes: int, cfg: DecodeConfig, sm_count: int,
                 window_programs: int = 0) -> int:
-    """History tokens per split (whole ``block_n`` tiles, interleaved with the other splits' tiles; ``hist_bytes``:
-    K + V bytes per token), so that the history programs fill one wave of ``programs_per_sm · sm_count`` programs
-    without spilling into a second (fewer
-    when a chunk would read less than ``min_split_bytes``), with fewer programs per SM (by 2, down to 8) while a
-    chunk would hold fewer than ``min_program_tiles`` tiles and the history programs outnumber the
-    ``window_programs`` at least twice (where these are many, as at batch 32 and 4K, more and shorter history
-    programs balance the waves better). The window programs (short sink/recent chunks, first in the grid) take
-    slots of the wave: the history programs leave them room when that costs at most a tenth of the splits, else
-    they start as the window programs finish. Last, the history programs are capped at
-    ``max_history_programs_per_sm · sm_count`` where the window programs are at least one per SM and at most half
-    as many as the capped history programs. The cap is empirical: split counts near it differ by up to 15% (B=2,
-    128K: 62 splits 83 µs, 63 splits of which one is empty 71 µs), which neither a model of block placement nor
-    rotating each program's tile order explained (``probe_splits_sweep.log``, ``probe_rotate.log``); it is
-    applied only where it was measured to help."""
+    """History tokens per split (whole ``block_n`` tiles, interleaved with the other splits' tiles; ``hist_bytes``: K +
+    V bytes per token), so that the history programs fill one wave of ``programs_per_sm · sm_count`` programs without
+    spilling into a second (fewer when a split would read less than ``min_split_bytes``), with fewer programs per SM (by
+    2, down to 8) while a split would hold fewer than ``min_program_tiles`` tiles and the history programs outnumber the
+    ``window_programs`` at least twice (where these are many, as at batch 32 and 4K, more and shorter history programs
+    balance the waves better). The window programs (short sink/recent chunks, first in the grid) take slots of the wave:
+    the history programs leave them room when that costs at most a tenth of the splits, else they start as the window
+    programs finish. Last, the history programs are capped at ``max_history_programs_per_sm · sm_count`` where the
+    window programs are at least one per SM and at most half as many as the capped history programs. The cap is
+    empirical: split counts near it differ by up to 15% (B=2, 128K: 62 splits 83 µs, 63 splits of which one is empty 71
+    µs), which neither a model of block placement nor rotating each program's tile order explained
+    (``probe_splits_sweep.log``, ``probe_rotate.log``); it is applied only where it was measured to help."""
     def chunk(splits: int) -> int:
         return max(1, triton.cdiv(triton.cdiv(n_hist, splits), cfg.block_n)) * cfg.block_n
 
