@@ -61,16 +61,24 @@ def _demote_side(
 @triton.jit
 def _token(x_ptr, r_ptr, D: tl.constexpr, ROTATE: tl.constexpr, FP32_DOT: tl.constexpr, CHUNK: tl.constexpr = 64):
     """A token's row ``x [D]``, times ``R [D, D]`` where ROTATE: on the tensor cores, ``x`` as row 0 of a ``[16, D]``
-    operand (fp32 sums of exact products, rounded once; FP32_DOT: fp32 operands, for TRITON_INTERPRET)."""
+    operand (fp32 sums of exact products, rounded once; FP32_DOT: fp32 operands, for TRITON_INTERPRET). R comes from
+    DRAM (the weights evict it from L2): at D <= 128 all of it (32 KB) is loaded before the first dot, in one round
+    trip; at D = 256 (128 KB: more than shared memory holds) CHUNK rows at a time."""
     cols = tl.arange(0, D)
     if ROTATE:
+        ROWS: tl.constexpr = D if D <= 128 else CHUNK  # rows of R loaded at once
         rows = tl.arange(0, 16)
         acc = tl.zeros([16, D], tl.float32)
-        for i in tl.static_range(0, D, CHUNK):
-            inner = i + tl.arange(0, CHUNK)
-            x = tl.load(x_ptr + rows[:, None] * 0 + inner[None, :], mask=rows[:, None] == 0, other=0.0)
-            r = tl.load(r_ptr + inner[:, None] * D + cols[None, :])
-            acc = tl.dot(x.to(tl.float32), r.to(tl.float32), acc) if FP32_DOT else tl.dot(x, r, acc)
+        for start in tl.static_range(0, D, ROWS):
+            xs = ()
+            rs = ()
+            for i in tl.static_range(start, start + ROWS, CHUNK):
+                inner = i + tl.arange(0, CHUNK)
+                xs = xs + (tl.load(x_ptr + rows[:, None] * 0 + inner[None, :], mask=rows[:, None] == 0, other=0.0),)
+                rs = rs + (tl.load(r_ptr + inner[:, None] * D + cols[None, :]),)
+            for i in tl.static_range(len(rs)):
+                x, r = xs[i], rs[i]
+                acc = tl.dot(x.to(tl.float32), r.to(tl.float32), acc) if FP32_DOT else tl.dot(x, r, acc)
         row = tl.sum(acc, axis=0)  # row 0: the others are zero
         if x_ptr.dtype.element_ty == tl.bfloat16:  # to nearest even, by hand (TRITON_INTERPRET truncates)
             bits = row.to(tl.uint32, bitcast=True)
@@ -101,12 +109,12 @@ def _append_token_kernel(
     bh = tl.program_id(0)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
-    k = _token(k_ptr + b * stride_nb + h * stride_nh, rot_k_ptr, D, ROTATE_K, FP32_DOT)
-    v = _token(v_ptr + b * stride_nb + h * stride_nh, rot_v_ptr, D, ROTATE_V, FP32_DOT)
-    n_sink = tl.load(counts_ptr)
+    n_sink = tl.load(counts_ptr)  # first: their round trip overlaps that of R
     n_hist = tl.load(counts_ptr + 1)
     n_rec = tl.load(counts_ptr + 2)
     start = tl.load(counts_ptr + 3)
+    k = _token(k_ptr + b * stride_nb + h * stride_nh, rot_k_ptr, D, ROTATE_K, FP32_DOT)
+    v = _token(v_ptr + b * stride_nb + h * stride_nh, rot_v_ptr, D, ROTATE_V, FP32_DOT)
     # the counts after this token (as the branches below store it); the last program to arrive writes them
     room = n_sink + n_hist + n_rec < max_len
     to_sink = room & (n_sink < SINK)
