@@ -71,12 +71,16 @@ def test_quantized_generation_runs_on_cuda_with_every_mode():
         assert all(layer.n_history > 0 for layer in cache.layers)
 
 
-@pytest.mark.parametrize("dtype, key_bits", [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, 4)],
-                         ids=["fp32", "bf16", "bf16-k4"])
-def test_generate_compiles_with_cuda_graphs_around_a_static_cache(dtype, key_bits):
+@pytest.mark.parametrize("dtype, key_bits, inductor_pdl",
+                         [(torch.float32, None, False), (torch.bfloat16, None, False), (torch.bfloat16, 4, False),
+                          (torch.bfloat16, None, True)],
+                         ids=["fp32", "bf16", "bf16-k4", "bf16-inductor-pdl"])
+def test_generate_compiles_with_cuda_graphs_around_a_static_cache(dtype, key_bits, inductor_pdl):
     """On CUDA, max_cache_len makes generate compile the model (reduce-overhead: CUDA graphs) around the cache.
-    fp32: the same tokens as eager; bf16 (Triton kernels): the compiled run's logits track eager's closely."""
+    fp32: the same tokens as eager; bf16 (Triton kernels): the compiled run's logits track eager's closely, also
+    with inductor's kernels launched early (``TORCHINDUCTOR_ENABLE_PDL``) around the cache's, which are too."""
     from torch._dynamo.utils import counters
+    from torch._inductor import config as inductor_config
 
     model = cuda_model("qwen3-gqa-qknorm-d128", dtype=dtype)
     ids = torch.randint(3, 90, (2, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
@@ -93,7 +97,8 @@ def test_generate_compiles_with_cuda_graphs_around_a_static_cache(dtype, key_bit
 
     torch._dynamo.reset()
     counters.clear()
-    compiled = generate(max_cache_len=64)
+    with inductor_config.patch({"triton.enable_pdl": inductor_pdl}):
+        compiled = generate(max_cache_len=64)
     assert counters["stats"]["unique_graphs"] > 0, "generate did not compile"
     eager = generate()
     if dtype == torch.float32:
