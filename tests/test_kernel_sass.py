@@ -1,5 +1,6 @@
 """eval/kernel_sass.py: the decode kernel compiled for sm_90 on the CPU (Triton's bundled ptxas), its history loop
-as the design has it: pipelined with cp.async, the dots it should have, no spills."""
+as the design has it: pipelined with cp.async, the dots it should have, no spills (with the installed Triton, whose
+register allocation can differ from the GPU machines' 3.6)."""
 
 import importlib.util
 import re
