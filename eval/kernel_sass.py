@@ -15,6 +15,7 @@ triton==3.6.0`` and put DIR first on PYTHONPATH to match them). A loop's count i
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import tempfile
@@ -26,8 +27,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from oscar_hf import OscarConfig, OscarLayer
-from oscar_hf.kernels import triton_decode
+if os.environ.get("TRITON_INTERPRET"):  # its kernels would be the interpreter's, with its launch parameters
+    raise SystemExit("eval/kernel_sass.py compiles for a GPU: run it without TRITON_INTERPRET")
+
+from oscar_hf import OscarConfig, OscarLayer  # noqa: E402
+from oscar_hf.kernels import triton_decode  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int16: "i16",
