@@ -1,5 +1,5 @@
 """The decode kernel's machine code without a GPU: stage 1 compiled for sm_90 (H100/H200) by the installed Triton,
-its registers, stack and the instruction mix of each loop (the history loop is the one with the most HMMA).
+its registers, stack and the instruction mix of each loop (the history loop: the pipelined one with the most HMMA).
 
     python eval/kernel_sass.py [--head-dim 128] [--dtype bf16] [--key-bits 2] [--sass FILE]
 
