@@ -65,7 +65,8 @@ Order: per model, the decode grid method by method, batch by batch, shortest T f
 "skipped: time budget"). Writes bench_generate_<gpu>.csv, .log (header, progress and table) and .png (decode tok/s
 against T per method, at the smallest and the largest batch) under --out. Every row records the GPU, the versions,
 the commit and ``inductor_pdl``: whether inductor launched its kernels early (``TORCHINDUCTOR_ENABLE_PDL=1``, sm_90+:
-on an H100 it took 0.40-0.47 ms off a 128K Qwen3-8B forward, OSCAR and bf16 alike).
+on an H100 it took 0.40-0.47 ms off a 128K Qwen3-8B forward, OSCAR and bf16 alike: ``-inductor-pdl`` in
+eval/results).
 """
 
 from __future__ import annotations

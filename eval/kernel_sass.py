@@ -26,6 +26,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.runtime.jit import mangle_type
 
 if os.environ.get("TRITON_INTERPRET"):  # its kernels would be the interpreter's, with its launch parameters
     raise SystemExit("eval/kernel_sass.py compiles for a GPU: run it without TRITON_INTERPRET")
@@ -34,8 +35,6 @@ from oscar_hf import OscarConfig, OscarLayer  # noqa: E402
 from oscar_hf.kernels import triton_decode  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int16: "i16",
-                torch.uint8: "u8", torch.int32: "i32"}
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 LABEL = re.compile(r"^\s*\.(L\w+):")
 BACK_BRANCH = re.compile(r"BRA\s+`?\(?\.(L\w+)")
@@ -80,15 +79,11 @@ def compile_stage1(args: tuple, kwargs: dict) -> triton.compiler.CompiledKernel:
         if param.is_constexpr:
             signature[param.name] = "constexpr"
             constexprs[(i,)] = value
-        elif isinstance(value, torch.Tensor):
-            signature[param.name] = "*" + TRITON_TYPES[value.dtype]
+            continue
+        signature[param.name] = mangle_type(value)  # "*bf16", "i32", "fp32", ...
+        aligned = isinstance(value, torch.Tensor) or (isinstance(value, int) and value % 16 == 0)
+        if aligned and not (param.do_not_specialize or param.do_not_specialize_on_alignment):
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif isinstance(value, float):
-            signature[param.name] = "fp32"
-        else:
-            signature[param.name] = "i32"
-            if value % 16 == 0 and not (param.do_not_specialize or param.do_not_specialize_on_alignment):
-                attrs[(i,)] = [["tt.divisibility", 16]]
     options = {k: kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
