@@ -64,9 +64,11 @@ Order: per model, the decode grid method by method, batch by batch, shortest T f
 (the large batches and the out-of-memory searches last). No case starts after --budget-s seconds (its row says
 "skipped: time budget"). Writes bench_generate_<gpu>.csv, .log (header, progress and table) and .png (decode tok/s
 against T per method, at the smallest and the largest batch) under --out. Every row records the GPU, the versions,
-the commit and ``inductor_pdl``: whether inductor launched its kernels early (``TORCHINDUCTOR_ENABLE_PDL=1``, sm_90+:
+the commit, ``inductor_pdl``: whether inductor launched its kernels early (``TORCHINDUCTOR_ENABLE_PDL=1``, sm_90+:
 on an H100 it took 0.40-0.47 ms off a 128K Qwen3-8B forward, OSCAR and bf16 alike: ``-inductor-pdl`` in
-eval/results).
+eval/results), and ``inductor_cdt``: whether inductor tuned its kernels by coordinate descent
+(``TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1``), which also makes batch-1 matrix-vector products its own reductions
+instead of cuBLAS GEMMs (with PDL, a further 0.57-0.69 ms off that forward: ``-inductor-cdt``).
 """
 
 from __future__ import annotations
@@ -784,7 +786,9 @@ def main() -> None:
         torch.set_num_threads(1)  # the tiny smoke models gain nothing from threads, and a busy CPU loses a lot
     profile, methods = args.profile, [METHODS[name] for name in args.methods]
     # compiled kernels launched early (TORCHINDUCTOR_ENABLE_PDL=1; sm_90+): it moves every compiled method's step
-    env = {**environment(args.device), "inductor_pdl": inductor_config.triton.enable_pdl}
+    # and matrix-vector products as inductor's own reductions, tuned (TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1)
+    env = {**environment(args.device), "inductor_pdl": inductor_config.triton.enable_pdl,
+           "inductor_cdt": inductor_config.coordinate_descent_tuning}
     say(" ".join(f"{k}={v}" for k, v in env.items()))
     say(f"models={','.join(profile.models)} methods={','.join(args.methods)} lengths={profile.lengths} "
         f"batches={profile.batches} steps={profile.steps} warmup={profile.warmup} budget_s={profile.budget_s}")

@@ -63,8 +63,10 @@ def test_smoke_run_writes_every_row_with_finite_numbers(tmp_path):
     assert (tmp_path / "bench_generate_cpu-smoke.png").stat().st_size > 0
     log = (tmp_path / "bench_generate_cpu-smoke.log").read_text()
     assert "transformers=" in log and "commit=" in log and "decode_tok_s" in log
-    pdl = str(os.environ.get("TORCHINDUCTOR_ENABLE_PDL", "0") == "1")  # inductor's own switch, recorded per row
-    assert f"inductor_pdl={pdl}" in log and all(r["inductor_pdl"] == pdl for r in rows)
+    for column, variable in (("inductor_pdl", "TORCHINDUCTOR_ENABLE_PDL"),
+                             ("inductor_cdt", "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING")):
+        setting = str(os.environ.get(variable, "0") == "1")  # inductor's own switches, recorded per row
+        assert f"{column}={setting}" in log and all(r[column] == setting for r in rows), column
 
 
 @pytest.mark.parametrize("name, parameters", [("qwen3-8b", 8_190_735_360), ("llama3.1-8b", 8_030_261_248)])
