@@ -68,7 +68,8 @@ the commit, ``inductor_pdl``: whether inductor launched its kernels early (``TOR
 on an H100 it took 0.40-0.47 ms off a 128K Qwen3-8B forward, OSCAR and bf16 alike: ``-inductor-pdl`` in
 eval/results), and ``inductor_cdt``: whether inductor tuned its kernels by coordinate descent
 (``TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1``), which also makes batch-1 matrix-vector products its own reductions
-instead of cuBLAS GEMMs (with PDL, a further 0.57-0.69 ms off that forward: ``-inductor-cdt``).
+instead of cuBLAS GEMMs (with PDL, a further 0.57-0.88 ms off that forward against the ``-inductor-pdl`` runs:
+``-inductor-cdt``).
 """
 
 from __future__ import annotations
@@ -785,8 +786,6 @@ def main() -> None:
     if args.device.type == "cpu":
         torch.set_num_threads(1)  # the tiny smoke models gain nothing from threads, and a busy CPU loses a lot
     profile, methods = args.profile, [METHODS[name] for name in args.methods]
-    # compiled kernels launched early (TORCHINDUCTOR_ENABLE_PDL=1; sm_90+): it moves every compiled method's step
-    # and matrix-vector products as inductor's own reductions, tuned (TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1)
     env = {**environment(args.device), "inductor_pdl": inductor_config.triton.enable_pdl,
            "inductor_cdt": inductor_config.coordinate_descent_tuning}
     say(" ".join(f"{k}={v}" for k, v in env.items()))
