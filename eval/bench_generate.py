@@ -1,7 +1,8 @@
 """End-to-end ``model.generate`` benchmark on one GPU: the OSCAR cache against transformers' BF16 caches.
 
     PYTHONPATH=. python eval/bench_generate.py [--models M,..] [--methods X,..] [--lengths T,..] [--batches B,..]
-                                               [--steps N] [--warmup W] [--budget-s S] [--kernels N] [--out DIR]
+                                               [--steps N] [--warmup W] [--budget-s S] [--kernels N]
+                                               [--decodings generate,overlapped] [--out DIR]
     PYTHONPATH=. python eval/bench_generate.py --smoke [--device cpu]   # tiny random models, < 1 minute on a CPU
 
 Models: random-weight bf16 models of real shapes (Qwen3-8B, Llama-3.1-8B) built from their configs directly on the
@@ -20,9 +21,10 @@ Methods (--methods):
 * ``oscar-k4-compiled``: ``oscar-compiled`` with ``key_bits=4`` (INT4 K, INT2 V);
 * ``bf16-dynamic``: ``DynamicCache(config=model.config)``, eager;
 * ``bf16-static-compiled``: ``StaticCache(config=model.config, max_cache_len=...)``, the cache that
-  ``cache_implementation="static"`` builds; generate compiles its decode forward with transformers' default
-  ``CompileConfig`` (inductor, "reduce-overhead"). The ``compiled`` column is generate's own test
-  (``_valid_auto_compile_criteria``), ``graphs`` the graphs torch.compile made during the call;
+  ``cache_implementation="static"`` builds (its layers made croppable, ``UndoableStaticLayer``, so that ``--decodings
+  overlapped`` defers its stop check as it does OSCAR's; nothing else differs); generate compiles its decode forward
+  with transformers' default ``CompileConfig`` (inductor, "reduce-overhead"). The ``compiled`` column is generate's own
+  test (``_valid_auto_compile_criteria``), ``graphs`` the graphs torch.compile made during the call;
 * ``bf16-static-gqa-compiled``: ``bf16-static-compiled`` with SDPA's own grouped-query attention
   (``enable_gqa=True``) under the mask (``GQA_ATTENTION``), where transformers' sdpa attention copies K and V with
   the KV heads repeated whenever a mask is given, as a static cache's always is: a bf16 baseline without those
@@ -33,7 +35,10 @@ Methods (--methods):
 Decode, per (model, method, T, batch): a fresh cache is filled with T tokens of random bf16 K/V through each layer's
 ``cache.update`` in chunks (for OSCAR the real rotate, quantize and pack write path; ``fill_s``), then
 ``model.generate(input_ids=<T+1 random ids>, attention_mask=ones, past_key_values=cache, max_new_tokens=N,
-min_new_tokens=N, do_sample=False)`` runs N = warmup + steps + 1 one-token forward passes: generate feeds only the
+min_new_tokens=N, do_sample=False)`` runs N = warmup + steps + 1 one-token forward passes (``--decodings
+overlapped``: with ``custom_generate=oscar_hf.overlapped_sample``, which defers generate's stop check by a step so
+that the host prepares and launches a step while the GPU runs the one before; ``stop_check`` says whether it did:
+"deferred", or "every step" for a cache that is not croppable or on the CPU): generate feeds only the
 last prompt token, and the cache must go from T to T+N tokens. A logits processor records a CUDA event after every
 step. ``ms_per_step`` and ``decode_tok_s`` (batch x steps / seconds) come from the steps after the first ``warmup``
 decode steps. ``forward_ms`` (compiled methods): after generate, the compiled decode forward of its last step is
@@ -102,9 +107,17 @@ from transformers import (
     QuantizedCache,
     StaticCache,
 )
+from transformers.cache_utils import StaticLayer
 from transformers.masking_utils import sdpa_mask
 
-from oscar_hf import ModelShape, OscarConfig, OscarQuantizedCache, OscarRotations, absorb_value_rotation
+from oscar_hf import (
+    ModelShape,
+    OscarConfig,
+    OscarQuantizedCache,
+    OscarRotations,
+    absorb_value_rotation,
+    overlapped_sample,
+)
 from oscar_hf.evaluation.environment import GIB, device_slug, environment
 
 START = time.perf_counter()
@@ -143,6 +156,7 @@ class Profile:
     gpus: int = 1  # the model's layers split evenly over this many GPUs (accelerate.dispatch_model)
     capacity: bool = True  # run the capacity search
     kernels: int = 0  # print this many of the compiled forward's longest kernels (0: none)
+    decodings: tuple[str, ...] = ("generate",)  # keys of DECODINGS, each case run with each
 
 
 FULL = Profile(("qwen3-8b", "llama3.1-8b"), (4096, 32768, 131072), (1, 8, 32), steps=16, warmup=3, max_batch=512,
@@ -195,6 +209,26 @@ AttentionInterface.register(GQA_ATTENTION, sdpa_gqa_attention)
 AttentionMaskInterface.register(GQA_ATTENTION, sdpa_mask)
 
 
+class UndoableStaticLayer(StaticLayer):
+    """transformers' StaticLayer, croppable: its length is a device counter and the rows past it are masked and
+    then overwritten, so removing the newest tokens is lowering the counter (no host synchronisation)."""
+
+    is_croppable = True
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove:
+            self.cumulative_length.add_(tokens_to_remove)  # transformers passes a negative count
+
+
+def undoable_static_cache(model: torch.nn.Module, tokens: int) -> StaticCache:
+    """``StaticCache(config=model.config, max_cache_len=tokens)`` with UndoableStaticLayer layers."""
+    cache = StaticCache(config=model.config, max_cache_len=tokens)
+    if any(type(layer) is not StaticLayer for layer in cache.layers):
+        raise ValueError("undoable_static_cache serves full-attention models only")
+    cache.layers = [UndoableStaticLayer(max_cache_len=tokens) for _ in cache.layers]
+    return cache
+
+
 def _quantized(backend: str) -> Callable:
     return lambda model, tokens: QuantizedCache(backend=backend, config=model.config, nbits=QUANTIZED_BITS)
 
@@ -208,21 +242,20 @@ METHODS = {m.name: m for m in (
     Method("oscar-k4-compiled", "oscar", functools.partial(_oscar, static=True, key_bits=4),
            lambda shape, tokens: OscarConfig(key_bits=4).bits_per_element(shape.head_dim, tokens)),
     Method("bf16-dynamic", "sdpa", lambda model, tokens: DynamicCache(config=model.config), lambda shape, tokens: 16),
-    Method("bf16-static-compiled", "sdpa",
-           lambda model, tokens: StaticCache(config=model.config, max_cache_len=tokens), lambda shape, tokens: 16),
-    Method("bf16-static-gqa-compiled", GQA_ATTENTION,
-           lambda model, tokens: StaticCache(config=model.config, max_cache_len=tokens), lambda shape, tokens: 16),
+    Method("bf16-static-compiled", "sdpa", undoable_static_cache, lambda shape, tokens: 16),
+    Method("bf16-static-gqa-compiled", GQA_ATTENTION, undoable_static_cache, lambda shape, tokens: 16),
     Method("quantized-quanto", "sdpa", _quantized("quanto"), lambda shape, tokens: QUANTIZED_BITS,
            requires="optimum.quanto", chunked_fill=False),
     Method("quantized-hqq", "sdpa", _quantized("hqq"), lambda shape, tokens: QUANTIZED_BITS, requires="hqq",
            chunked_fill=False),
 )}
 CAPACITY_METHODS = ("oscar", "bf16-dynamic")
+DECODINGS = {"generate": None, "overlapped": overlapped_sample}  # name: generate's custom_generate
 
-COLUMNS = ["model", "method", "kind", "T", "batch", "prefill_s", "prefill_chunk", "decode_tok_s", "ms_per_step",
-           "forward_ms", "compile_s", "fill_s", "generate_s", "compiled", "graphs", "base_mem_gb", "peak_mem_gb",
-           "cache_gb", "status", "prefill_status"]
-TABLE = ["model", "method", "kind", "T", "batch", "prefill_s", "decode_tok_s", "ms_per_step", "forward_ms",
+COLUMNS = ["model", "method", "kind", "T", "batch", "decoding", "prefill_s", "prefill_chunk", "decode_tok_s",
+           "ms_per_step", "forward_ms", "compile_s", "fill_s", "generate_s", "compiled", "graphs", "base_mem_gb",
+           "peak_mem_gb", "cache_gb", "stop_check", "status", "prefill_status"]
+TABLE = ["model", "method", "kind", "T", "batch", "decoding", "prefill_s", "decode_tok_s", "ms_per_step", "forward_ms",
          "compile_s", "peak_mem_gb", "cache_gb", "status"]
 LOG: list[str] = []
 
@@ -469,8 +502,10 @@ def random_ids(model: torch.nn.Module, batch: int, tokens: int) -> torch.Tensor:
     return torch.randint(model.config.vocab_size, (batch, tokens), device=model.device)
 
 
-def measure_decode(model: torch.nn.Module, method: Method, length: int, batch: int, profile: Profile) -> dict:
-    """Fill a fresh ``method`` cache with ``length`` tokens at ``batch``, then time generate's decode steps over it."""
+def measure_decode(model: torch.nn.Module, method: Method, length: int, batch: int, profile: Profile,
+                   decoding: str) -> dict:
+    """Fill a fresh ``method`` cache with ``length`` tokens at ``batch``, then time generate's decode steps over it
+    (with ``DECODINGS[decoding]`` as its custom_generate)."""
     device, shape = clock_device(model), ModelShape.from_config(model.config)
     new_tokens = profile.warmup + profile.steps + 1
     base = memory_gib(model, torch.cuda.memory_allocated)
@@ -487,11 +522,13 @@ def measure_decode(model: torch.nn.Module, method: Method, length: int, batch: i
     graphs = compiled_graphs()
     for d in cuda_devices(model):
         torch.cuda.reset_peak_memory_stats(d)
+    overlapped = DECODINGS[decoding] is overlapped_sample
     with recorded_forward(model, compiled) as recorder:
         start = timestamp(device)
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                             logits_processor=LogitsProcessorList([clock]))
+                             logits_processor=LogitsProcessorList([clock]),
+                             custom_generate=DECODINGS[decoding])
         generate_s = seconds(start, timestamp(device))
         clock.check(new_tokens)
         check_length(cache, length + new_tokens)
@@ -508,6 +545,9 @@ def measure_decode(model: torch.nn.Module, method: Method, length: int, batch: i
               "compile_s": max(0.0, seconds(clock.marks[0], clock.marks[profile.warmup]) - profile.warmup * step_s),
               "fill_s": fill_s, "generate_s": generate_s, "compiled": compiled,
               "graphs": clock.graphs[-1] - graphs, "cache_gb": cache_bytes(cache) / GIB,
+              # overlapped_sample's rule for a cache that generate returns (the one passed in)
+              "stop_check": "deferred" if overlapped and ids.device.type != "cpu" and cache.is_croppable
+              else "every step",
               "base_mem_gb": base, "peak_mem_gb": peak}
     if compiled_graphs() != clock.graphs[profile.warmup]:
         result["status"] = "error: torch.compile compiled during the timed steps or replays (raise --warmup)"
@@ -560,7 +600,8 @@ def use_attention(model: torch.nn.Module, method: Method) -> None:
         model.set_attn_implementation(method.attention)
 
 
-def decode_case(model: torch.nn.Module, method: Method, length: int, batch: int, profile: Profile) -> dict:
+def decode_case(model: torch.nn.Module, method: Method, length: int, batch: int, profile: Profile,
+                decoding: str) -> dict:
     """One decode row: measured, or why not (not installed, time budget, a cache larger than the free memory)."""
     if not method.installed():
         return {"status": "not-installed"}
@@ -572,7 +613,7 @@ def decode_case(model: torch.nn.Module, method: Method, length: int, batch: int,
         needed, free = method.bits(shape, length) * elements / 8 / GIB, free_gib(model)
         if needed > free:
             return {"status": f"oom (the cache needs {needed:.1f} GiB, {free:.1f} GiB free)"}
-    return attempt(measure_decode, model, method, length, batch, profile)
+    return attempt(measure_decode, model, method, length, batch, profile, decoding)
 
 
 def prefill_case(model: torch.nn.Module, method: Method, length: int, batch: int, profile: Profile) -> dict:
@@ -589,7 +630,8 @@ def prefill_case(model: torch.nn.Module, method: Method, length: int, batch: int
 def capacity_case(model: torch.nn.Module, method: Method, length: int, profile: Profile) -> dict:
     """The largest batch at ``length`` tokens whose fill and decode fit: a batch-1 run gives the memory per sequence,
     then batches are tried one by one up from the batch it predicts while they fit (or down until one fits)."""
-    tried = {1: decode_case(model, method, length, 1, profile)}
+    decoding = profile.decodings[0]
+    tried = {1: decode_case(model, method, length, 1, profile, decoding)}
     if tried[1]["status"] != "ok":
         return {"batch": 1, **tried[1]}
     batch = profile.max_batch
@@ -598,7 +640,7 @@ def capacity_case(model: torch.nn.Module, method: Method, length: int, profile: 
         batch = min(batch, max(1, int(free_gib(model) // per_sequence)))
     while 1 <= batch <= profile.max_batch and not out_of_time(profile):
         if batch not in tried:
-            tried[batch] = attempt(measure_decode, model, method, length, batch, profile)
+            tried[batch] = attempt(measure_decode, model, method, length, batch, profile, decoding)
             say(f"    capacity {method.name} T={length} B={batch}: {tried[batch]['status']}")
         batch += 1 if tried[batch]["status"] == "ok" else -1
         if batch in tried:
@@ -608,7 +650,7 @@ def capacity_case(model: torch.nn.Module, method: Method, length: int, profile: 
         limit = "the largest batch searched"
     else:
         limit = f"batch {best + 1}: " + (tried[best + 1]["status"] if best + 1 in tried else "not tried, time budget")
-    return {**tried[best], "batch": best, "status": f"ok ({limit})"}
+    return {**tried[best], "batch": best, "decoding": decoding, "status": f"ok ({limit})"}
 
 
 # ------------------------------------------------------------------------------------------------- runs
@@ -626,13 +668,14 @@ PREFILL_FIELDS = ("prefill_s", "prefill_chunk", "prefill_status")
 def progress(row: dict, fields: tuple[str, ...]) -> None:
     values = " ".join(f"{k}={cell(row[k])}" for k in fields if row.get(k) is not None)
     say(f"[{time.perf_counter() - START:4.0f} s] {row['model']} {row['method']} {row['kind']} T={row['T']} "
-        f"B={row['batch']}: {values}")
+        f"B={row['batch']} {row.get('decoding', '')}: {values}")
 
 
 def bench_model(name: str, methods: list[Method], profile: Profile, device: torch.device) -> list[dict]:
-    """Every row of one model: the decode grid (method by method, batch by batch, shortest T first), prefill,
-    capacity. That puts the large batches last, and makes torch.compile build three graphs per model (static shapes;
-    batch 1 and any T; any batch and T) where an order by cache size would make four."""
+    """Every row of one model: the decode grid (method by method, batch by batch, shortest T first, each decoding in
+    turn over the same compiled graphs), prefill (in the first decoding's rows), capacity (with the first decoding).
+    That puts the large batches last, and makes torch.compile build three graphs per model (static shapes; batch 1 and
+    any T; any batch and T) where an order by cache size would make four."""
     start = time.perf_counter()
     model = build_model(name, device, profile.gpus)
     where = f"{profile.gpus} GPUs" if profile.gpus > 1 else device
@@ -642,17 +685,18 @@ def bench_model(name: str, methods: list[Method], profile: Profile, device: torc
     cases = sorted(itertools.product(profile.lengths, profile.batches), key=lambda case: (case[1], case[0]))
     for method in methods:
         use_attention(model, method)
-        for length, batch in cases:
-            row = {"model": name, "method": method.name, "kind": "grid", "T": length, "batch": batch}
-            grid[method.name, length, batch] = row
-            row.update(decode_case(model, method, length, batch, profile))
+        for (length, batch), decoding in itertools.product(cases, profile.decodings):
+            row = {"model": name, "method": method.name, "kind": "grid", "T": length, "batch": batch,
+                   "decoding": decoding}
+            grid[method.name, length, batch, decoding] = row
+            row.update(decode_case(model, method, length, batch, profile, decoding))
             progress(row, DECODE_FIELDS)
         torch.compiler.reset()  # drops compiled graphs and their CUDA-graph memory pools
         free_memory()
     for method in (m for m in methods if m.installed()):
         use_attention(model, method)
         for length, batch in prefill_cases(profile):
-            row = grid[method.name, length, batch]
+            row = grid[method.name, length, batch, profile.decodings[0]]
             row.update(prefill_case(model, method, length, batch, profile))
             progress(row, PREFILL_FIELDS)
     capacity = []
@@ -681,7 +725,8 @@ def table(rows: list[dict]) -> list[str]:
 
 
 def plot(rows: list[dict], path: Path, profile: Profile, title: str) -> None:
-    """Decode tok/s against T, one line per (model, method), one panel per batch (the smallest and the largest)."""
+    """Decode tok/s against T, one line per (model, method, decoding), one panel per batch (the smallest and the
+    largest)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -690,12 +735,15 @@ def plot(rows: list[dict], path: Path, profile: Profile, title: str) -> None:
     panels = sorted({min(profile.batches), max(profile.batches)})
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5), squeeze=False)
     for ax, batch in zip(axes[0], panels):
-        for (i, model), (j, method) in itertools.product(enumerate(profile.models), enumerate(METHODS)):
+        lines = itertools.product(enumerate(profile.models), enumerate(METHODS), enumerate(profile.decodings))
+        for (i, model), (j, method), (k, decoding) in lines:
             points = sorted((r["T"], r["decode_tok_s"]) for r in rows if r["kind"] == "grid" and r["batch"] == batch
-                            and r["model"] == model and r["method"] == method and r["status"] == "ok")
+                            and r["model"] == model and r["method"] == method and r["decoding"] == decoding
+                            and r["status"] == "ok")
             if points:
-                ax.plot(*zip(*points), ["-", "--", ":", "-."][i % 4], color=f"C{j}", marker="o",
-                        label=f"{model} {method}")
+                label = f"{model} {method}" + (f" {decoding}" if len(profile.decodings) > 1 else "")
+                ax.plot(*zip(*points), ["-", "--", ":", "-."][i % 4], color=f"C{j}", marker="os^v"[k % 4],
+                        label=label)
         ax.set(xscale="log", yscale="log", xlabel="prompt tokens T", ylabel="decode tokens/s", title=f"batch {batch}")
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.set_xticks(profile.lengths, [str(t) for t in profile.lengths])
@@ -768,6 +816,10 @@ def parse_args() -> argparse.Namespace:
                    help="skip the capacity search")
     p.add_argument("--kernels", type=positive, help="after forward_ms, print the compiled forward's N longest kernels "
                    "(GPU time per forward, torch.profiler)")
+    p.add_argument("--decodings", type=names(DECODINGS),
+                   help="comma-separated, each case run with each: generate (its own loop, the default), "
+                        "overlapped (custom_generate=oscar_hf.overlapped_sample: the stop check deferred by a step, "
+                        "the host one step ahead of the GPU)")
     p.add_argument("--out", default="eval/results", help="folder for the CSV, .log and .png")
     args = p.parse_args()
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -776,7 +828,7 @@ def parse_args() -> argparse.Namespace:
     if (args.gpus or 1) > max(1, torch.cuda.device_count()):
         p.error(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} CUDA devices")
     overrides = {k: getattr(args, k) for k in ("models", "lengths", "batches", "steps", "warmup", "budget_s", "gpus",
-                                             "capacity", "kernels")}
+                                             "capacity", "kernels", "decodings")}
     args.profile = replace(SMOKE if args.smoke else FULL, **{k: v for k, v in overrides.items() if v is not None})
     return args
 
@@ -790,7 +842,8 @@ def main() -> None:
            "inductor_cdt": inductor_config.coordinate_descent_tuning}
     say(" ".join(f"{k}={v}" for k, v in env.items()))
     say(f"models={','.join(profile.models)} methods={','.join(args.methods)} lengths={profile.lengths} "
-        f"batches={profile.batches} steps={profile.steps} warmup={profile.warmup} budget_s={profile.budget_s}")
+        f"batches={profile.batches} decodings={profile.decodings} steps={profile.steps} warmup={profile.warmup} "
+        f"budget_s={profile.budget_s}")
     rows = []
     for name in profile.models:
         try:

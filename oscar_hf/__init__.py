@@ -9,6 +9,7 @@ from .cache import OscarKV, OscarLayer, OscarQuantizedCache, enable
 from .calibrate import calibrate
 from .config import OscarConfig
 from .diagnostics import diagnose
+from .generation import overlapped_sample
 from .model_support import ModelShape, UnsupportedModelError, check_model_supported
 from .recipes import load_recipe
 from .rotations import OscarRotations, hadamard_matrix
@@ -33,5 +34,6 @@ __all__ = [
     "enable",
     "hadamard_matrix",
     "oscar_attention_forward",
+    "overlapped_sample",
     "register",
 ]

@@ -17,7 +17,8 @@ Window buffers grow up to those sizes; the history grows in chunks of at least H
 With ``max_cache_len`` every buffer has its final size from the first update, the counts (sink, history, recent,
 ring start) live in an int32 device tensor, and, where the Triton kernels serve the layer, a decode step is
 two operators and a few torch ops (``graph_step``): no host synchronisation, one CUDA graph for the whole
-model step under ``torch.compile``.
+model step under ``torch.compile``. A graph step also keeps the counts it started from (``counts[4:8]``, -1 where
+host-side code changed the layer since), so that ``crop(-1)`` undoes it exactly.
 
 Everything is stored rotated (``k @ R_K``, ``v @ R_V``). ``update`` returns :class:`OscarKV`
 handles instead of dense tensors; the attention function registered as ``"oscar"`` reads the
@@ -44,6 +45,7 @@ HISTORY_GROWTH = 1024  # tokens; the history grows by at least this much, or by 
 # history never grows.)
 HISTORY_ALIGN = 16
 DEQUANTIZERS = {"per-token": dequantize, "per-channel": dequantize_per_channel}  # by OscarConfig.key_quantization
+BEFORE_STEP = 4  # a static layer's counts[4:8]: its counts before its last graph step, or counts[4] = -1
 
 
 def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
@@ -172,6 +174,8 @@ def _count(index: int, doc: str) -> property:
 
     def set(self, value: int) -> None:
         self.counts[index] = value
+        if isinstance(self.counts, torch.Tensor):
+            self.counts[BEFORE_STEP] = -1  # a host-side change: the last graph step can no longer be undone
 
     return property(get, set, doc=doc)
 
@@ -181,8 +185,6 @@ class OscarLayer(CacheLayerMixin):
 
     is_compileable = False
     is_sliding = False
-    # Demotions into the quantized history are not undone by ``crop``, so a rollback can leave a trace.
-    is_croppable = False
 
     def __init__(
         self,
@@ -206,6 +208,7 @@ class OscarLayer(CacheLayerMixin):
         # sink, history, recent, ring start; an int32 device tensor once a static layer is initialized
         self.counts: list[int] | torch.Tensor = [0, 0, 0, 0]
         self.graph_step = False  # decode steps as device-only operators (set by lazy_initialization)
+        self.defers_host_reads = False  # set by oscar_hf.generation.overlapped_sample (see get_seq_length)
 
     n_sink = _count(0, "tokens in the sink")
     n_history = _count(1, "tokens in the quantized history")
@@ -215,6 +218,13 @@ class OscarLayer(CacheLayerMixin):
     @property
     def counts_on_device(self) -> bool:
         return isinstance(self.counts, torch.Tensor)
+
+    @property
+    def is_croppable(self) -> bool:
+        """Whether a rollback of one step leaves no trace, as transformers' deferred stop check needs: true where
+        decode steps are graph steps, since ``crop(-1)`` right after one restores the counts it started from. (Other
+        crops keep the tokens that the removed ones pushed into the quantized history there.)"""
+        return self.graph_step
 
     @property
     def length(self) -> int:
@@ -286,7 +296,7 @@ class OscarLayer(CacheLayerMixin):
         _reserve(self.sink, 0, min(cfg.sink_tokens, self.max_cache_len), cfg.sink_tokens)
         _reserve(self.recent, 0, min(self.recent_limit + 1, self.max_cache_len), self.recent_limit + 1)
         self.history.grow(0, max(0, self.max_cache_len - cfg.sink_tokens - cfg.recent_tokens))
-        self.counts = torch.zeros(4, dtype=torch.int32, device=self.device)
+        self.counts = torch.tensor([0, 0, 0, 0, -1, -1, -1, -1], dtype=torch.int32, device=self.device)
         self.flags = torch.zeros(2, dtype=torch.int32, device=self.device)  # error flags, the append's arrivals
         if not torch.compiler.is_compiling():
             for t in (*self._tensors(), self.counts, self.flags, self.key_rotation, self.value_rotation):
@@ -438,8 +448,9 @@ class OscarLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ cache bookkeeping API
     def get_seq_length(self) -> int | torch.Tensor:
-        """Tokens stored: an int, or inside a compiled region a static layer's 0-d device tensor (no graph break)."""
-        if self.counts_on_device and torch.compiler.is_compiling():
+        """Tokens stored: an int, after raising what the device flagged; or a static layer's 0-d device tensor,
+        without synchronising, inside a compiled region (no graph break) and while ``defers_host_reads``."""
+        if self.counts_on_device and (torch.compiler.is_compiling() or self.defers_host_reads):
             return self.counts[:3].sum()
         self.check_flags()
         return self.length
@@ -461,16 +472,24 @@ class OscarLayer(CacheLayerMixin):
     def reset(self) -> None:
         if self.counts_on_device:  # in place: compiled graphs hold these addresses
             self.counts.zero_()
+            self.counts[BEFORE_STEP] = -1
             self.flags.zero_()
         else:
             self.counts = [0, 0, 0, 0]
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the newest ``-tokens_to_remove`` tokens (transformers passes a negative count, sometimes as a
-        0-d tensor: a growing layer's counts must stay Python ints)."""
+        0-d tensor: a growing layer's counts must stay Python ints). ``crop(0)`` touches nothing (a deferred stop
+        check calls it every step); ``crop(-1)`` right after a graph step undoes that step exactly."""
         tokens_to_remove = int(tokens_to_remove)
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative number of tokens to remove; got {tokens_to_remove}")
+        if tokens_to_remove == 0:
+            return
+        if tokens_to_remove == -1 and self.counts_on_device and int(self.counts[BEFORE_STEP]) >= 0:
+            self.counts[:BEFORE_STEP] = self.counts[BEFORE_STEP:].clone()
+            self.counts[BEFORE_STEP] = -1
+            return
         self._unroll_recent()
         remove = min(-tokens_to_remove, self.length)
         for count in ("n_recent", "n_history", "n_sink"):

@@ -50,6 +50,7 @@ def test_smoke_run_writes_every_row_with_finite_numbers(tmp_path):
         for key in ("decode_tok_s", "ms_per_step", "fill_s", "generate_s", "cache_gb"):
             assert math.isfinite(float(row[key])) and float(row[key]) > 0, (key, row)
         assert float(row["compile_s"]) >= 0 and row["compiled"] == "False" and row["graphs"] == "0"
+        assert row["decoding"] == "generate" and row["stop_check"] == "every step"
         if (length, batch) in prefilled:
             assert row["prefill_status"] == "ok" and float(row["prefill_s"]) > 0 and row["prefill_chunk"] == "0"
         else:
@@ -69,6 +70,37 @@ def test_smoke_run_writes_every_row_with_finite_numbers(tmp_path):
         assert f"{column}={setting}" in log and all(r[column] == setting for r in rows), column
 
 
+def test_smoke_run_with_both_decodings(tmp_path):
+    """--decodings generate,overlapped runs each case twice, the second with
+    custom_generate=oscar_hf.overlapped_sample, and says so per row (on the CPU, which has no events, the stop check
+    stays per step)."""
+    run = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--device", "cpu", "--out", str(tmp_path),
+                          "--decodings", "generate,overlapped", "--models", "qwen3-tiny", "--methods",
+                          "oscar-compiled,bf16-static-compiled", "--lengths", "128", "--batches", "1",
+                          "--no-capacity"],
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                         timeout=180)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    with open(tmp_path / "bench_generate_cpu-smoke.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r["kind"] == "grid"]
+    assert [(r["method"], r["decoding"]) for r in rows] == list(itertools.product(
+        ["oscar-compiled", "bf16-static-compiled"], ["generate", "overlapped"]))
+    assert all(r["status"] == "ok" and r["stop_check"] == "every step" for r in rows), rows
+    assert [r["prefill_status"] for r in rows] == ["ok", "", "ok", ""]  # prefill once, in the first decoding's row
+
+
+def test_undoable_static_cache_crops_by_lowering_its_length():
+    model = bench.build_model("qwen3-tiny", torch.device("cpu"))
+    cache = bench.undoable_static_cache(model, 16)
+    assert cache.is_croppable and isinstance(cache, StaticCache)
+    for _ in range(2):
+        cache.update(torch.ones(1, 2, 3, 64), torch.ones(1, 2, 3, 64), 0)
+    cache.crop(0)
+    assert int(cache.get_seq_length()) == 6
+    cache.crop(-2)
+    assert int(cache.get_seq_length()) == 4
+
+
 @pytest.mark.parametrize("name, parameters", [("qwen3-8b", 8_190_735_360), ("llama3.1-8b", 8_030_261_248)])
 def test_models_have_the_published_parameter_counts(name, parameters):
     model = bench.build_model(name, torch.device("meta"))
@@ -83,7 +115,7 @@ class FakeDevice:
         monkeypatch.setattr(bench, "measure_decode", self.measure_decode)
         monkeypatch.setattr(bench, "free_gib", lambda model: free_gib)  # summed over the model's GPUs
 
-    def measure_decode(self, model, method, length, batch, profile):
+    def measure_decode(self, model, method, length, batch, profile, decoding):
         self.tried.append(batch)
         if batch > self.fits:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -131,7 +163,7 @@ def test_compiled_forward_is_replayed_without_generate(name, kernels, capsys):
     made, make = [], bench.METHODS[name].make
     method = replace(bench.METHODS[name], make=lambda model, tokens: made.append(make(model, tokens)) or made[-1])
     bench.use_attention(model, method)
-    row = bench.measure_decode(model, method, 96, 1, profile)
+    row = bench.measure_decode(model, method, 96, 1, profile, "generate")
     assert row["compiled"] and row["forward_ms"] > 0 and "status" not in row, row.get("status")
     generated = 96 + profile.warmup + profile.steps + 1
     profiled = bench.KERNEL_CALLS if kernels else 0

@@ -116,6 +116,48 @@ def test_generate_compiles_with_cuda_graphs_around_a_static_cache(dtype, key_bit
                                    msg=lambda m, step=step: f"step {step}: {m}")
 
 
+def test_overlapped_generate_runs_ahead_in_cuda_graphs_and_undoes_the_extra_step(monkeypatch):
+    """overlapped_sample around the compiled (CUDA-graph) decode step: the stop check deferred, the same graph as
+    generate's (no recompilation), the same tokens, and after an EOS stop the extra step undone, so that the cache
+    holds what generate's holds and a next turn gives the same tokens."""
+    from torch._dynamo.utils import counters
+
+    from oscar_hf import generation, overlapped_sample
+
+    model = cuda_model("qwen3-gqa-qknorm-d128")
+    ids = torch.randint(3, 90, (1, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+
+    def run(eos=None, **kwargs):
+        cache = OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model, sink_tokens=4,
+                                                    recent_tokens=8, flush_tokens=3, max_cache_len=80)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                             pad_token_id=0, eos_token_id=eos, past_key_values=cache, **kwargs)
+        more = torch.cat([out, out[:, -1:]], dim=1)
+        again = model.generate(input_ids=more, attention_mask=torch.ones_like(more), max_new_tokens=4,
+                               do_sample=False, pad_token_id=0, past_key_values=cache, **kwargs)
+        return out, again, cache
+
+    torch._dynamo.reset()
+    plain, _, _ = run()
+    new = plain[0, 40:].tolist()
+    eos = next(t for i, t in enumerate(new) if i >= 6 and t not in new[:i])
+    want, want_again, want_cache = run(eos)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0, "generate did not compile"
+    finished = []
+    finish = generation._DeferredOnEveryAccelerator.finish
+    monkeypatch.setattr(generation._DeferredOnEveryAccelerator, "finish",
+                        lambda self: finished.append(finish(self)) or finished[-1])
+    got, got_again, got_cache = run(eos, custom_generate=overlapped_sample)
+    assert len(finished) == 2 and finished[0] == 1, "both turns deferred their stop checks; the EOS stop undid a step"
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert got.shape[1] < 56
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got_again, want_again, rtol=0, atol=0)
+    for a, b in zip(got_cache.layers, want_cache.layers):
+        assert a.counts.tolist()[:4] == b.counts.tolist()[:4]
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_layers_split_over_two_gpus_generate_like_one(tmp_path):
     """from_pretrained(device_map=...) puts layers 0-1 on cuda:0 and 2-3 on cuda:1: each cache layer lives with its

@@ -614,6 +614,124 @@ def test_graph_step_flags_a_full_cache_and_non_finite_rows():
         static.materialize("key")
 
 
+@pytest.mark.parametrize("prompt, steps", [(2, 0), (9, 0), (11, 0), (11, 9)],
+                         ids=["sink", "recent", "first-demotion-sets-the-means", "demotion-ring-wrapped"])
+def test_crop_of_one_undoes_a_graph_step_exactly(prompt, steps):
+    """After a prompt and some graph steps, a step is undone (crop(-1)), taken again and followed by one more: the
+    layer then holds, bit for bit, what a layer that took those two steps once holds. crop(0) touches nothing."""
+    config = dict(sink_tokens=4, recent_tokens=5, flush_tokens=3)  # a window of 7 tokens, a ring of 8 rows
+    undone, straight = (static_and_host_layers(64, **config)[0] for _ in range(2))
+    kv = ((randn(2, 2, 3, 40, 64, seed=14) * 8).round() / 4).to(torch.bfloat16)
+
+    def step(layer, t):
+        layer.update(kv[0, :, :, t : t + 1], kv[1, :, :, t : t + 1])
+
+    for layer in (undone, straight):
+        layer.update(kv[0, :, :, :prompt], kv[1, :, :, :prompt])
+        for t in range(prompt, prompt + steps):
+            step(layer, t)
+    t = prompt + steps
+    assert undone.is_croppable and not static_and_host_layers(64, **config)[1].is_croppable
+    before = undone.counts.tolist()
+    step(undone, t)
+    assert undone.counts.tolist()[:4] != before[:4]
+    undone.crop(0)
+    undone.crop(-1)
+    assert undone.counts.tolist()[:4] == before[:4] and undone.counts.tolist()[4] == -1
+    for layer in (undone, straight):
+        step(layer, t)
+        step(layer, t + 1)
+    assert undone.counts.tolist() == straight.counts.tolist()
+    assert straight.n_history == (0 if prompt + steps < 11 else 3 + steps // 3 * 3)
+    for side in ("key", "value"):
+        assert torch.equal(undone.materialize(side), straight.materialize(side))
+        assert torch.equal(undone.center[side], straight.center[side])
+    for name, t in straight.history.tensors.items():
+        assert torch.equal(undone.history[name][:, :, : straight.n_history], t[:, :, : straight.n_history]), name
+
+
+def test_crop_of_one_after_host_side_changes_removes_the_newest_token():
+    """Once host-side code has changed a static layer (here: a prompt), crop(-1) cannot undo a step; it drops the
+    newest token as any crop does."""
+    static, host = static_and_host_layers(64, sink_tokens=2, recent_tokens=4, flush_tokens=2)
+    kv = randn(2, 1, 2, 12, 64, seed=15).to(torch.bfloat16)
+    for layer in (static, host):
+        layer.update(kv[0, :, :, :11], kv[1, :, :, :11])
+        layer.crop(-1)
+    assert static.counts.tolist()[4] == -1
+    assert static.get_seq_length() == host.get_seq_length() == 10
+    torch.testing.assert_close(static.materialize("key"), host.materialize("key"), rtol=0, atol=0)
+
+
+class _ImmediateEvent:
+    """torch.Event for the CPU, which has none (and computes before the host reads anyway)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+@pytest.mark.parametrize("stop", ["eos", "max-length"])
+def test_overlapped_generate_equals_generate_and_leaves_the_same_cache(monkeypatch, stop):
+    """overlapped_sample with the stop check deferred (let onto the CPU here): the same tokens as generate, the extra
+    step of an EOS stop undone (crop(-1)), so that the cache holds what generate's holds and continues alike."""
+    from oscar_hf import generation, overlapped_sample
+
+    model = make_model("qwen3-gqa-qknorm-d128", dtype=torch.bfloat16).to(DEVICE)
+    ids = torch.randint(3, 90, (1, 30), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+
+    def run(eos, **kwargs):
+        cache = OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model, sink_tokens=4,
+                                                    recent_tokens=8, flush_tokens=3, backend="triton",
+                                                    max_cache_len=60)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                             past_key_values=cache, eos_token_id=eos, pad_token_id=0, disable_compile=True, **kwargs)
+        more = torch.cat([out, out[:, -1:]], dim=1)  # one more turn from the cache
+        again = model.generate(input_ids=more, attention_mask=torch.ones_like(more), max_new_tokens=3,
+                               do_sample=False, past_key_values=cache, pad_token_id=0, disable_compile=True)
+        return out, again, cache
+
+    plain, _, _ = run(None)
+    new = plain[0, 30:].tolist()
+    eos = next(t for i, t in enumerate(new) if i >= 4 and t not in new[:i]) if stop == "eos" else None
+    want, want_again, want_cache = run(eos)
+    finished = []
+    if DEVICE == "cpu":
+        monkeypatch.setattr(torch, "Event", _ImmediateEvent)
+        rule = generation._DeferredOnEveryAccelerator.is_supported  # its rule, as if on an accelerator
+        monkeypatch.setattr(generation._DeferredOnEveryAccelerator, "is_supported",
+                            staticmethod(lambda device, *args, **kwargs: rule(torch.device("meta"), *args, **kwargs)))
+    finish = generation._DeferredOnEveryAccelerator.finish
+    monkeypatch.setattr(generation._DeferredOnEveryAccelerator, "finish",
+                        lambda self: finished.append(finish(self)) or finished[-1])
+    got, got_again, got_cache = run(eos, custom_generate=overlapped_sample)
+    assert finished == [1 if stop == "eos" else 0], "the stop check was deferred; an EOS stop undid a step"
+    assert got.shape[1] < 40 if stop == "eos" else got.shape[1] == 40
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got_again, want_again, rtol=0, atol=0)
+    assert got_cache.layers[0].counts.tolist()[:4] == want_cache.layers[0].counts.tolist()[:4]
+    assert not got_cache.layers[0].defers_host_reads
+
+
+def test_overlapped_sample_refuses_beams_and_a_cache_too_small():
+    from oscar_hf import overlapped_sample
+
+    model = make_model("qwen3-gqa-qknorm-d128", dtype=torch.bfloat16).to(DEVICE)
+    ids = torch.randint(3, 90, (1, 30), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    cache = OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model,
+                                                backend="triton", max_cache_len=38)
+    with pytest.raises(ValueError, match="beam"):
+        model.generate(input_ids=ids, max_new_tokens=4, num_beams=2, custom_generate=overlapped_sample)
+    with pytest.raises(ValueError, match=r"max_cache_len=38\) cannot hold the 39 tokens"):
+        model.generate(input_ids=ids, max_new_tokens=10, past_key_values=cache, custom_generate=overlapped_sample)
+    assert cache.get_seq_length() == 0  # refused before the prefill
+
+
 def test_compiled_generate_is_one_graph_with_a_static_cache():
     """With max_cache_len and the Triton backend, generate's compiled decode step traces whole (update and attention
     included: no graph break, one graph for every step) and gives the eager static cache's tokens, which equal

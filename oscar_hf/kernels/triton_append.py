@@ -9,11 +9,13 @@ clipped, quantized and packed into the history, with the write kernel's tile cod
 The token is rotated in the kernel (``x @ R`` on the tensor cores from the model-dtype K or V and rotation, fp32
 sums rounded once to nearest even, as the GEMM of ``cache.rotate`` does up to the order of its sums), which saves
 the step a GEMM launch per rotated side.
-The recent window is a ring buffer of ``recent_tokens + flush_tokens`` rows starting at ``counts[3]``: demotion
-moves no data, and the new token never lands on a row being demoted. No host synchronisation: every program reads
-the counts, and the last one to arrive (an atomic count in ``flags[1]``, which it resets) writes them advanced, in
-place of a kernel of its own; errors (non-finite K/V, a scale overflow, a full cache) are or-ed into the flag word
-``flags[0]`` that the layer checks on its next host-side use (``triton_write.raise_for_flags``).
+The recent window is a ring buffer of ``recent_tokens + flush_tokens`` rows starting at ``counts[3]``: demotion moves no
+data, and the new token never lands on a row being demoted. No host synchronisation: every program reads the counts, and
+the last one to arrive (an atomic count in ``flags[1]``, which it resets) writes them advanced, in place of a kernel of
+its own, with the counts it started from beside them (``counts[4:8]``: undoing the step is restoring them, as the ring
+rows it demoted and the history rows it wrote are past the restored counts); errors (non-finite K/V, a scale overflow, a
+full cache) are or-ed into the flag word ``flags[0]`` that the layer checks on its next host-side use
+(``triton_write.raise_for_flags``).
 """
 
 from __future__ import annotations
@@ -125,6 +127,10 @@ def _append_token_kernel(
         tl.store(counts_ptr + 1, n_hist + demoted)
         tl.store(counts_ptr + 2, n_rec + to_recent.to(tl.int32) - demoted)
         tl.store(counts_ptr + 3, (start + demoted) % CAP)
+        tl.store(counts_ptr + 4, n_sink)  # the counts before this step: OscarLayer.crop(-1) restores them
+        tl.store(counts_ptr + 5, n_hist)
+        tl.store(counts_ptr + 6, n_rec)
+        tl.store(counts_ptr + 7, start)
         tl.store(flag_ptr + 1, 0)
     cols = tl.arange(0, D)
     if not room:
@@ -179,10 +185,11 @@ def append_token(
     k_clip_index: int,
     v_clip_index: int,
 ) -> None:
-    """Store one token's K and V ``[B, H, 1, D]`` (the model dtype), times their rotations ``[D, D]`` (the model
-    dtype; None: stored as given), into the layer tensors of ``triton_decode.layer_tensors``, and advance the counts
-    int32 ``[4]``; ``flags`` int32 ``[2]``: the error flags and the kernel's arrival count (zero between calls). An
-    operator that torch.compile traces and CUDA graphs capture."""
+    """Store one token's K and V ``[B, H, 1, D]`` (the model dtype), times their rotations ``[D, D]`` (the model dtype;
+    None: stored as given), into the layer tensors of ``triton_decode.layer_tensors``, and advance the counts int32
+    ``[8]`` (sink, history, recent, ring start; then the same before this step); ``flags`` int32 ``[2]``: the error
+    flags and the kernel's arrival count (zero between calls). An operator that torch.compile traces and CUDA graphs
+    capture."""
     batch, heads, _, d = key.shape
     key, value = key.contiguous(), value.contiguous()
     sink_k, sink_v, rec_k, rec_v = windows
