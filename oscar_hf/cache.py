@@ -205,7 +205,8 @@ class OscarLayer(CacheLayerMixin):
         self.max_cache_len = max_cache_len
         # static buffers and a fixed mask size: generate may compile the model around the cache (see the class doc)
         self.is_compileable = max_cache_len is not None
-        # sink, history, recent, ring start; an int32 device tensor once a static layer is initialized
+        # sink, history, recent, ring start; an int32 device tensor once a static layer is initialized, with the
+        # same four before the last graph step after them
         self.counts: list[int] | torch.Tensor = [0, 0, 0, 0]
         self.graph_step = False  # decode steps as device-only operators (set by lazy_initialization)
         self.defers_host_reads = False  # set by oscar_hf.generation.overlapped_sample (see get_seq_length)

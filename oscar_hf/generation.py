@@ -16,9 +16,11 @@ A cache that generate returns (one passed in, or ``return_dict_in_generate=True`
 
 from __future__ import annotations
 
+import functools
 from unittest import mock
 
 import torch
+import transformers
 from transformers.generation import utils as generation_utils
 from transformers.generation.configuration_utils import GenerationMode
 
@@ -27,14 +29,22 @@ from .cache import OscarLayer
 MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 
 
-class _DeferredOnEveryAccelerator(generation_utils.DeferredStopCheck):
-    """transformers' deferred stop check, supported wherever torch has events (not on the CPU)."""
+@functools.cache
+def deferred_stop_check() -> type:
+    """transformers' ``DeferredStopCheck``, supported wherever torch has events (not on the CPU)."""
+    base = getattr(generation_utils, "DeferredStopCheck", None)
+    if base is None:
+        raise ImportError(f"overlapped_sample needs transformers' DeferredStopCheck, which transformers "
+                          f"{transformers.__version__} does not have (5.17 to 5.23 do)")
 
-    @staticmethod
-    def is_supported(device: torch.device, cache, cache_is_returned: bool, is_assistant: bool) -> bool:
-        if device.type == "cpu" or is_assistant:
-            return False
-        return cache is None or not cache_is_returned or cache.is_croppable
+    class DeferredOnEveryAccelerator(base):
+        @staticmethod
+        def is_supported(device: torch.device, cache, cache_is_returned: bool, is_assistant: bool) -> bool:
+            if device.type == "cpu" or is_assistant:
+                return False
+            return cache is None or not cache_is_returned or cache.is_croppable
+
+    return DeferredOnEveryAccelerator
 
 
 def _check_capacity(cache, max_length: int) -> None:
@@ -68,7 +78,7 @@ def overlapped_sample(model, input_ids: torch.LongTensor, logits_processor, stop
     for layer in layers:
         layer.defers_host_reads = True
     try:
-        with mock.patch.object(generation_utils, "DeferredStopCheck", _DeferredOnEveryAccelerator):
+        with mock.patch.object(generation_utils, "DeferredStopCheck", deferred_stop_check()):
             out = model._sample(input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
                                 **model_kwargs)
     finally:

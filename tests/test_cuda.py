@@ -145,8 +145,8 @@ def test_overlapped_generate_runs_ahead_in_cuda_graphs_and_undoes_the_extra_step
     graphs = counters["stats"]["unique_graphs"]
     assert graphs > 0, "generate did not compile"
     finished = []
-    finish = generation._DeferredOnEveryAccelerator.finish
-    monkeypatch.setattr(generation._DeferredOnEveryAccelerator, "finish",
+    finish = generation.deferred_stop_check().finish
+    monkeypatch.setattr(generation.deferred_stop_check(), "finish",
                         lambda self: finished.append(finish(self)) or finished[-1])
     got, got_again, got_cache = run(eos, custom_generate=overlapped_sample)
     assert len(finished) == 2 and finished[0] == 1, "both turns deferred their stop checks; the EOS stop undid a step"

@@ -257,3 +257,30 @@ def test_kivi_2_preset_on_a_long_prompt():
     out = run(model, prompt(length=200), cache=cache)
     assert out.shape == (1, 200 + NEW_TOKENS)
     assert [(layer.n_sink, layer.n_history, layer.n_recent) for layer in cache.layers] == [(0, 96, 115)] * 2
+
+
+def test_overlapped_sample_names_a_transformers_without_deferred_stop_checks(monkeypatch):
+    from transformers.generation import utils
+
+    from oscar_hf import generation
+
+    monkeypatch.delattr(utils, "DeferredStopCheck")
+    generation.deferred_stop_check.cache_clear()
+    try:
+        with pytest.raises(ImportError, match="DeferredStopCheck, which transformers"):
+            generation.deferred_stop_check()
+    finally:
+        generation.deferred_stop_check.cache_clear()
+
+
+def test_overlapped_sample_gives_generate_tokens_on_the_cpu():
+    """On the CPU (no events) the stop check stays per step: the loop is generate's, through custom_generate."""
+    from oscar_hf import overlapped_sample
+
+    model = make_model("llama-mha-d64")
+    ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(6))
+    runs = [model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                           past_key_values=OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config),
+                                                                               model=model), **kwargs)
+            for kwargs in ({}, {"custom_generate": overlapped_sample})]
+    torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=0)

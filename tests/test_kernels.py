@@ -703,11 +703,11 @@ def test_overlapped_generate_equals_generate_and_leaves_the_same_cache(monkeypat
     finished = []
     if DEVICE == "cpu":
         monkeypatch.setattr(torch, "Event", _ImmediateEvent)
-        rule = generation._DeferredOnEveryAccelerator.is_supported  # its rule, as if on an accelerator
-        monkeypatch.setattr(generation._DeferredOnEveryAccelerator, "is_supported",
+        rule = generation.deferred_stop_check().is_supported  # its rule, as if on an accelerator
+        monkeypatch.setattr(generation.deferred_stop_check(), "is_supported",
                             staticmethod(lambda device, *args, **kwargs: rule(torch.device("meta"), *args, **kwargs)))
-    finish = generation._DeferredOnEveryAccelerator.finish
-    monkeypatch.setattr(generation._DeferredOnEveryAccelerator, "finish",
+    finish = generation.deferred_stop_check().finish
+    monkeypatch.setattr(generation.deferred_stop_check(), "finish",
                         lambda self: finished.append(finish(self)) or finished[-1])
     got, got_again, got_cache = run(eos, custom_generate=overlapped_sample)
     assert finished == [1 if stop == "eos" else 0], "the stop check was deferred; an EOS stop undid a step"
