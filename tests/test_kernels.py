@@ -651,12 +651,13 @@ def test_crop_of_one_undoes_a_graph_step_exactly(prompt, steps):
 
 
 def test_crop_of_one_after_host_side_changes_removes_the_newest_token():
-    """Once host-side code has changed a static layer (here: a prompt), crop(-1) cannot undo a step; it drops the
-    newest token as any crop does."""
+    """Once host-side code has changed a static layer since its last graph step (here: two tokens at once), crop(-1)
+    no longer restores the counts before that step; it drops the newest token as any crop does."""
     static, host = static_and_host_layers(64, sink_tokens=2, recent_tokens=4, flush_tokens=2)
     kv = randn(2, 1, 2, 12, 64, seed=15).to(torch.bfloat16)
     for layer in (static, host):
-        layer.update(kv[0, :, :, :11], kv[1, :, :, :11])
+        for chunk in (slice(0, 8), slice(8, 9), slice(9, 11)):  # a prompt, a (graph) step, two tokens
+            layer.update(kv[0, :, :, chunk], kv[1, :, :, chunk])
         layer.crop(-1)
     assert static.counts.tolist()[4] == -1
     assert static.get_seq_length() == host.get_seq_length() == 10
