@@ -119,6 +119,7 @@ from oscar_hf import (
     overlapped_sample,
 )
 from oscar_hf.evaluation.environment import GIB, device_slug, environment
+from oscar_hf.generation import deferred_stop_check
 
 START = time.perf_counter()
 QUANTIZED_BITS = 2  # QuantizedCache at OSCAR's bit width
@@ -522,7 +523,9 @@ def measure_decode(model: torch.nn.Module, method: Method, length: int, batch: i
     graphs = compiled_graphs()
     for d in cuda_devices(model):
         torch.cuda.reset_peak_memory_stats(d)
-    overlapped = DECODINGS[decoding] is overlapped_sample
+    # overlapped_sample's own rule for a cache that generate returns (the one passed in)
+    deferred = DECODINGS[decoding] is overlapped_sample and deferred_stop_check().is_supported(
+        ids.device, cache, cache_is_returned=True, is_assistant=False)
     with recorded_forward(model, compiled) as recorder:
         start = timestamp(device)
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
@@ -545,9 +548,7 @@ def measure_decode(model: torch.nn.Module, method: Method, length: int, batch: i
               "compile_s": max(0.0, seconds(clock.marks[0], clock.marks[profile.warmup]) - profile.warmup * step_s),
               "fill_s": fill_s, "generate_s": generate_s, "compiled": compiled,
               "graphs": clock.graphs[-1] - graphs, "cache_gb": cache_bytes(cache) / GIB,
-              # overlapped_sample's rule for a cache that generate returns (the one passed in)
-              "stop_check": "deferred" if overlapped and ids.device.type != "cpu" and cache.is_croppable
-              else "every step",
+              "stop_check": "deferred" if deferred else "every step",
               "base_mem_gb": base, "peak_mem_gb": peak}
     if compiled_graphs() != clock.graphs[profile.warmup]:
         result["status"] = "error: torch.compile compiled during the timed steps or replays (raise --warmup)"
