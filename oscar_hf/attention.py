@@ -41,7 +41,7 @@ def oscar_attention_forward(
         from .kernels.triton_decode import decode_on_device  # triton is imported on first use (TRITON_INTERPRET)
 
         layer = key.layer
-        out = decode_on_device(layer.rotate_keys(query), layer, attention_mask, scaling)
+        out = decode_on_device(query, layer, attention_mask, scaling)  # it rotates q itself
         return layer.unrotate_values(out), None
     return _attend_on_host(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
 

@@ -573,9 +573,27 @@ def test_graph_step_stores_what_the_host_path_stores(prompt, config):
             assert torch.equal(static.history[name][:, :, : host.n_history], host.history[name][:, :, : host.n_history])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("dim, q_len", [(64, 1), (128, 3), (256, 1)])
+def test_query_rotation_kernel_equals_the_rotate_gemm(dim, q_len, dtype):
+    """Stage 0 (q · R_K in the decode operator) stores what ``cache.rotate`` computes, bit for bit, from the strided
+    q that attention receives (``[B, q, Hq, D]`` transposed), for rows that do not fill its row block. On values whose
+    sums are exact in fp32 (multiples of 1/4 below 64 times ±1: an unnormalised Hadamard), both round once."""
+    from oscar_hf.cache import rotate
+    from oscar_hf.kernels.triton_decode import rotate_query
+
+    signs = hadamard_matrix(dim) * dim**0.5
+    rotation = signs[torch.randperm(dim, generator=torch.Generator().manual_seed(1))].to(dtype)
+    rotation = rotation.to(DEVICE)
+    query = ((randn(3, q_len, 6, dim, seed=2) * 8).round() / 4).to(dtype).transpose(1, 2)  # [B, Hq, q, D] strided
+    got = rotate_query(query, rotation)
+    assert got.is_contiguous() and got.dtype == dtype
+    torch.testing.assert_close(got, rotate(query, rotation), rtol=0, atol=0)
+
+
 def test_graph_step_decode_equals_the_host_decode():
-    """The decode operator (planned once for the capacities, counts and ring start read on the device) gives the
-    host launch's output over the same tokens, a left-padded row included."""
+    """The decode operator (planned once for the capacities, counts and ring start read on the device; q rotated by
+    its stage 0) gives the host launch's output over the same tokens, a left-padded row included."""
     from oscar_hf.kernels.triton_decode import decode_on_device
 
     static, host = static_and_host_layers(128, max_len=400, sink_tokens=4, recent_tokens=8, flush_tokens=3)
@@ -591,7 +609,7 @@ def test_graph_step_decode_equals_the_host_decode():
         if t % 7 == 0:
             query = randn(2, 8, 1, 128, seed=t).to(torch.bfloat16)
             got = decode_on_device(query, static, mask, None)
-            want = decode(query, host, mask[..., :301], None)
+            want = decode(host.rotate_keys(query), host, mask[..., :301], None)
             torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
     assert static.recent_start != 0
 

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -42,6 +43,12 @@ def on_device_of(t: torch.Tensor):
     """Context for a Triton launch over ``t``: Triton launches on the current CUDA device, and with
     ``device_map="auto"`` a layer's tensors may live on another one."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+@functools.lru_cache(maxsize=None)
+def has_pdl(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can launch early (programmatic dependent launch: sm_90 and later)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 ATTENTION_BACKENDS = {"torch": naive.attend}

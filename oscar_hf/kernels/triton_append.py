@@ -8,7 +8,8 @@ clipped, quantized and packed into the history, with the write kernel's tile cod
 
 The token is rotated in the kernel (``x @ R`` on the tensor cores from the model-dtype K or V and rotation, fp32
 sums rounded once to nearest even, as the GEMM of ``cache.rotate`` does up to the order of its sums), which saves
-the step a GEMM launch per rotated side.
+the step a GEMM launch per rotated side. On sm_90 the kernel is launched early (programmatic dependent launch) and
+loads the rotations (from DRAM: the weights evict them from L2) while the kernel before it runs.
 The recent window is a ring buffer of ``recent_tokens + flush_tokens`` rows starting at ``counts[3]``: demotion moves no
 data, and the new token never lands on a row being demoted. No host synchronisation: every program reads the counts, and
 the last one to arrive (an atomic count in ``flags[1]``, which it resets) writes them advanced, in place of a kernel of
@@ -24,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import on_device_of
-from .triton_decode import layer_tensors
+from . import has_pdl, on_device_of
+from .triton_decode import layer_tensors, to_nearest_even
 from .triton_write import FULL_FLAG, TL_DTYPES, _quantize_tile, _store_rows, kernel_clip_index
 
 FULL = tl.constexpr(FULL_FLAG)
@@ -61,33 +62,37 @@ def _demote_side(
 
 
 @triton.jit
-def _token(x_ptr, r_ptr, D: tl.constexpr, ROTATE: tl.constexpr, FP32_DOT: tl.constexpr, CHUNK: tl.constexpr = 64):
+def _rotation(r_ptr, D: tl.constexpr, ROTATE: tl.constexpr, CHUNK: tl.constexpr = 64):
+    """``R [D, D]`` as blocks of CHUNK rows, loaded at once where all of it fits in shared memory (D <= 128: 32 KB);
+    empty without ROTATE or at D = 256 (128 KB), which :func:`_token` loads a block at a time."""
+    blocks = ()
+    if ROTATE and D <= 128:
+        cols = tl.arange(0, D)
+        for i in tl.static_range(0, D, CHUNK):
+            blocks = blocks + (tl.load(r_ptr + (i + tl.arange(0, CHUNK))[:, None] * D + cols[None, :]),)
+    return blocks
+
+
+@triton.jit
+def _token(x_ptr, r_ptr, blocks, D: tl.constexpr, ROTATE: tl.constexpr, FP32_DOT: tl.constexpr,
+           CHUNK: tl.constexpr = 64):
     """A token's row ``x [D]``, times ``R [D, D]`` where ROTATE: on the tensor cores, ``x`` as row 0 of a ``[16, D]``
-    operand (fp32 sums of exact products, rounded once; FP32_DOT: fp32 operands, for TRITON_INTERPRET). R comes from
-    DRAM (the weights evict it from L2): at D <= 128 all of it (32 KB) is loaded before the first dot, in one round
-    trip; at D = 256 (128 KB: more than shared memory holds) CHUNK rows at a time."""
+    operand (fp32 sums of exact products, rounded once; FP32_DOT: fp32 operands, for TRITON_INTERPRET). ``blocks``:
+    R as :func:`_rotation` loaded it ahead (R comes from DRAM: the weights evict it from L2); else (D = 256) CHUNK
+    rows at a time."""
     cols = tl.arange(0, D)
     if ROTATE:
-        ROWS: tl.constexpr = D if D <= 128 else CHUNK  # rows of R loaded at once
         rows = tl.arange(0, 16)
         acc = tl.zeros([16, D], tl.float32)
-        for start in tl.static_range(0, D, ROWS):
-            xs = ()
-            rs = ()
-            for i in tl.static_range(start, start + ROWS, CHUNK):
-                inner = i + tl.arange(0, CHUNK)
-                xs = xs + (tl.load(x_ptr + rows[:, None] * 0 + inner[None, :], mask=rows[:, None] == 0, other=0.0),)
-                rs = rs + (tl.load(r_ptr + inner[:, None] * D + cols[None, :]),)
-            for i in tl.static_range(len(rs)):
-                x, r = xs[i], rs[i]
-                acc = tl.dot(x.to(tl.float32), r.to(tl.float32), acc) if FP32_DOT else tl.dot(x, r, acc)
-        row = tl.sum(acc, axis=0)  # row 0: the others are zero
-        if x_ptr.dtype.element_ty == tl.bfloat16:  # to nearest even, by hand (TRITON_INTERPRET truncates)
-            bits = row.to(tl.uint32, bitcast=True)
-            bits = tl.where(row == row, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16, 0x7FC0)  # NaN stays NaN
-            row = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        else:
-            row = row.to(x_ptr.dtype.element_ty)
+        for i in tl.static_range(0, D, CHUNK):
+            inner = i + tl.arange(0, CHUNK)
+            x = tl.load(x_ptr + rows[:, None] * 0 + inner[None, :], mask=rows[:, None] == 0, other=0.0)
+            if len(blocks) > 0:
+                r = blocks[i // CHUNK]
+            else:
+                r = tl.load(r_ptr + inner[:, None] * D + cols[None, :])
+            acc = tl.dot(x.to(tl.float32), r.to(tl.float32), acc) if FP32_DOT else tl.dot(x, r, acc)
+        row = to_nearest_even(tl.sum(acc, axis=0), x_ptr.dtype.element_ty)  # row 0: the others are zero
     else:
         row = tl.load(x_ptr + cols)
     return row
@@ -105,18 +110,24 @@ def _append_token_kernel(
     SINK: tl.constexpr, LIMIT: tl.constexpr, CAP: tl.constexpr, FLUSH: tl.constexpr, BLOCK_F: tl.constexpr,
     CENTERED: tl.constexpr, K_CLIP_INDEX: tl.constexpr, V_CLIP_INDEX: tl.constexpr, D: tl.constexpr,
     GROUP: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, SCALE_DT: tl.constexpr,
-    ROTATE_K: tl.constexpr, ROTATE_V: tl.constexpr, FP32_DOT: tl.constexpr,
+    ROTATE_K: tl.constexpr, ROTATE_V: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr,
 ):
-    # grid (B·H,): one program per (batch, KV head)
+    # grid (B·H,): one program per (batch, KV head). PDL: launched early, it loads the (constant) rotations while the
+    # kernel before runs, then waits for that kernel's K and V; the kernels after it launch when it exits, as they
+    # read what it writes (some before their own wait)
+    rot_k = _rotation(rot_k_ptr, D, ROTATE_K)
+    rot_v = _rotation(rot_v_ptr, D, ROTATE_V)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     bh = tl.program_id(0)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
-    n_sink = tl.load(counts_ptr)  # first: their round trip overlaps that of R
+    n_sink = tl.load(counts_ptr)
     n_hist = tl.load(counts_ptr + 1)
     n_rec = tl.load(counts_ptr + 2)
     start = tl.load(counts_ptr + 3)
-    k = _token(k_ptr + b * stride_nb + h * stride_nh, rot_k_ptr, D, ROTATE_K, FP32_DOT)
-    v = _token(v_ptr + b * stride_nb + h * stride_nh, rot_v_ptr, D, ROTATE_V, FP32_DOT)
+    k = _token(k_ptr + b * stride_nb + h * stride_nh, rot_k_ptr, rot_k, D, ROTATE_K, FP32_DOT)
+    v = _token(v_ptr + b * stride_nb + h * stride_nh, rot_v_ptr, rot_v, D, ROTATE_V, FP32_DOT)
     # the counts after this token (as the branches below store it); the last program to arrive writes them
     room = n_sink + n_hist + n_rec < max_len
     to_sink = room & (n_sink < SINK)
@@ -195,6 +206,8 @@ def append_token(
     sink_k, sink_v, rec_k, rec_v = windows
     kc, ks, kz, vc, vs, vz = history
     mu = (*center, *center[0].stride()[:2]) if center else (key, key, 0, 0)
+    interpreting = triton.knobs.runtime.interpret
+    pdl = not interpreting and has_pdl(key.device)
     with on_device_of(key):
         _append_token_kernel[(batch * heads,)](
             key, value, key.stride(0), key.stride(1),
@@ -207,7 +220,7 @@ def append_token(
             BLOCK_F=triton.next_power_of_2(flush), CENTERED=bool(center),
             K_CLIP_INDEX=k_clip_index, V_CLIP_INDEX=v_clip_index, D=d, GROUP=group, K_BITS=key_bits, V_BITS=value_bits,
             SCALE_DT=TL_DTYPES[ks.dtype], ROTATE_K=key_rotation is not None, ROTATE_V=value_rotation is not None,
-            FP32_DOT=key.dtype == torch.bfloat16 and triton.knobs.runtime.interpret, num_warps=4,
+            FP32_DOT=key.dtype == torch.bfloat16 and interpreting, PDL=pdl, num_warps=4, launch_pdl=pdl,
         )
 
 

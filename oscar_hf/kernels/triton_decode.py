@@ -3,6 +3,10 @@ the few newest ones (assisted decoding's verify step, causal among them).
 
 The pure-torch twin (and oracle) is :func:`oscar_hf.kernels.naive.attend`.
 
+Stage 0, in a static cache's graph step (:func:`decode_on_device`): q times R_K (:func:`rotate_query`, whose twin is
+``cache.rotate``), one small kernel that loads R before it waits for q, in place of a GEMM launched after the kernel
+that wrote q.
+
 Stage 1 (grid ``B·H × splits``): a program serves one KV head's whole GQA group (so each KV tile is loaded once per
 group) over one part of the sequence, with a one-pass online softmax in base 2, and writes a normalised partial output
 and its log-sum-exp. History programs put the tokens on the tensor cores' big dimensions (logits ``[tokens, g]`` = K
@@ -15,8 +19,9 @@ faster at batch 1 to 8, T = 32K and 128K, D = 64, 128, 256; at batch 32, 32K (6-
 launches of one config differ there; ``bench_decode-dev-runs/probe_interleave.log``, ``probe_interleave_modes.log``).
 Sink/recent chunks (model dtype) are two tiles each and come first in the grid (where they are few, they first ask L2
 for their rows: :func:`_window_prefetch`). Stage 2 (grid ``B·Hq·q × D/32``) merges the chunks by log-sum-exp. On sm_90
-both stages are launched early (programmatic dependent launch): stage 1 waits for the kernel before it, stage 2 for
-stage 1 (H100: at most 1.5% faster than launching stage 1 plainly, at batch 1; ``probe_pdl.log``).
+every stage is launched early (programmatic dependent launch), waiting for the kernel before it, and lets the next
+launch only once it has waited (stage 2 reads q before its own wait) (H100: at most 1.5% faster than launching stage 1
+plainly, at batch 1; ``probe_pdl.log``).
 
 History tiles. Byte ``j`` of a code row holds channels ``j + i·W`` (``W = D·bits/8``, ``i < 8/bits``), so halfword
 ``u`` holds channel ``2u + e + i·W`` at bit ``8e + i·bits`` (e = 0, 1): its position ``P = e·8/bits + i``. Rows of
@@ -67,7 +72,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import naive, on_device_of, triton_dequant
+from . import has_pdl, naive, on_device_of, triton_dequant
 
 LOG2E = 1.4426950408889634
 # dot dtype, bits of M (a power of two whose mantissa is zero), M, and the mantissa's width
@@ -194,6 +199,56 @@ def _unpack(x, P: tl.constexpr, BITS: tl.constexpr, MANTISSA: tl.constexpr, DT: 
         else:
             codes = ((x & MASK) | MAGIC_BITS).to(tl.int16)
     return codes.to(DT, bitcast=True)
+
+
+@triton.jit
+def to_nearest_even(x, DT: tl.constexpr):
+    """fp32 ``x`` rounded to ``DT`` (bf16 by hand: TRITON_INTERPRET truncates; NaN stays NaN)."""
+    if DT == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = tl.where(x == x, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16, 0x7FC0)
+        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(DT)
+
+
+@triton.jit
+def _rotate_query_kernel(
+    q_ptr, stride_qb, stride_qh, stride_qt, r_ptr, out_ptr, rows, HQ, Q_LEN,
+    D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    """Stage 0 (grid ``rows / BLOCK_R × D / BLOCK_C``): query rows ``b·Hq·q + head·q + t`` times columns of ``R [D,
+    D]`` on the tensor cores (fp32 sums, rounded once), into a contiguous ``[B, Hq, q, D]``. Launched early, it loads
+    its columns of R (constant; DRAM, as the weights evict them from L2) while the kernel that writes q runs."""
+    inner = tl.arange(0, D)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    r = tl.load(r_ptr + inner[:, None] * D + cols[None, :])
+    if PDL:  # wait for q; then stage 1 may launch (stage 2, launched once stage 1 has waited, reads q before waiting)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = row < rows
+    q_rows = q_ptr + row // Q_LEN // HQ * stride_qb + row // Q_LEN % HQ * stride_qh + row % Q_LEN * stride_qt
+    x = tl.load(q_rows[:, None] + inner[None, :], mask=live[:, None], other=0.0)
+    acc = _dot(x, r, tl.zeros([BLOCK_R, BLOCK_C], tl.float32), FP32_DOT)
+    tl.store(out_ptr + row[:, None].to(tl.int64) * D + cols[None, :], to_nearest_even(acc, out_ptr.dtype.element_ty),
+             mask=live[:, None])
+
+
+def rotate_query(query: torch.Tensor, rotation: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    """``query [B, Hq, q, D] @ rotation [D, D]`` (the query's dtype) as a contiguous tensor: stage 0 of the decode,
+    whose pure-torch twin is ``cache.rotate``. ``pdl``: launched early (sm_90), waiting for the kernel before."""
+    batch, hq, q_len, d = query.shape
+    rows = batch * hq * q_len
+    block_r = min(64, max(16, triton.next_power_of_2(rows)))
+    out = torch.empty(batch, hq, q_len, d, dtype=query.dtype, device=query.device)
+    interpreting = triton.knobs.runtime.interpret
+    with on_device_of(query):
+        _rotate_query_kernel[(triton.cdiv(rows, block_r), d // 64)](
+            query, *query.stride()[:3], rotation.to(query.dtype).contiguous(), out, rows, hq, q_len,
+            D=d, BLOCK_R=block_r, BLOCK_C=64, PDL=pdl, FP32_DOT=query.dtype == torch.bfloat16 and interpreting,
+            num_warps=4, launch_pdl=pdl,
+        )
+    return out
 
 
 @triton.jit
@@ -579,9 +634,10 @@ def _decode_stage1_kernel(
     HW_V: tl.constexpr = W_V if PAIRED or BYTES_V else W_V // 2
     W: tl.constexpr = W_V  # the window chunks' channel sub-tiles
     WIN_CHUNK: tl.constexpr = WINDOW_TILES * BLOCK_W
-    if PDL:  # stage 2 may launch now (it waits for this grid); launched early itself, wait for the kernel before
-        tl.extra.cuda.gdc_launch_dependents()
+    if PDL:  # launched early: wait for the kernel before; then stage 2 may launch (it waits for this grid, but reads
+        # q before that: the kernel that wrote q is then done)
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -729,12 +785,6 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-@lru_cache(maxsize=None)
-def _has_pdl(device: torch.device) -> bool:
-    """Whether kernels on ``device`` can launch early (programmatic dependent launch: sm_90 and later)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def plan_splits(batch_heads: int, n_hist: int, hist_bytes: int, cfg: DecodeConfig, sm_count: int,
                 window_programs: int = 0) -> int:
     """History tokens per split (whole ``block_n`` tiles, interleaved with the other splits' tiles; ``hist_bytes``: K +
@@ -855,9 +905,10 @@ def _storage(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(query, windows, history, center, attention_mask, counts, scaling, key_bits, value_bits, group, splits,
-            config=None):
+            config=None, key_rotation=None):
     """Both stages over the tensors of :func:`layer_tensors`, the counts int32 ``[4]`` (sink, history, recent, ring
-    start of the recent window) and the ``splits`` of :func:`plan`; see :func:`decode`."""
+    start of the recent window) and the ``splits`` of :func:`plan`, after stage 0 (:func:`rotate_query`) where a
+    ``key_rotation`` is given; see :func:`decode`."""
     batch, hq, q_len, d = query.shape
     sink_k, sink_v, rec_k, rec_v = windows
     heads = sink_k.shape[1]
@@ -865,6 +916,10 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
     rows = group_q * q_len  # query rows per program
     cfg = config or default_config(batch, d, q_len)
     dt, magic_bits, magic_value, mantissa = MAGIC[query.dtype]
+    interpreting = triton.knobs.runtime.interpret
+    pdl = cfg.pdl and not interpreting and has_pdl(query.device)
+    if key_rotation is not None:
+        query = rotate_query(query if query.stride(-1) == 1 else query.contiguous(), key_rotation, pdl)
     query = query if query.stride(-1) == 1 else query.contiguous()
     hist_splits, sink_splits, total = splits
     if attention_mask is None:
@@ -876,8 +931,6 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
     part_lse = torch.empty(batch * hq * q_len, total, dtype=torch.float32, device=query.device)
     out = torch.empty(batch, hq, q_len, d, dtype=query.dtype, device=query.device)
     scaling = d**-0.5 if scaling is None else scaling
-    interpreting = triton.knobs.runtime.interpret
-    pdl = cfg.pdl and not interpreting and _has_pdl(query.device)
     # code rows narrower than 32 bytes (D = 64 at 2 bits): two tokens' per tile row where that leaves at most 16
     # columns (each query row twice), else bytes
     paired = d * min(key_bits, value_bits) // 8 < 32 and 2 * rows <= 16
@@ -958,6 +1011,7 @@ def decode(
 @torch.library.custom_op("oscar_hf::decode_attention", mutates_args=())
 def decode_attention(
     query: torch.Tensor,
+    key_rotation: torch.Tensor | None,
     windows: list[torch.Tensor],
     history: list[torch.Tensor],
     center: list[torch.Tensor],
@@ -970,23 +1024,27 @@ def decode_attention(
     splits: list[int],
 ) -> torch.Tensor:
     """:func:`decode` of a static layer as an operator that torch.compile traces without a graph break and CUDA
-    graphs capture (the counts are read on the device). Arguments as :func:`_launch`'s."""
+    graphs capture (the counts are read on the device), q rotated by ``key_rotation`` first unless None. Arguments
+    as :func:`_launch`'s."""
     return _launch(query, windows, history, center, attention_mask, counts, scaling, key_bits, value_bits, group,
-                   splits)
+                   splits, key_rotation=key_rotation)
 
 
 @decode_attention.register_fake
-def _(query, windows, history, center, attention_mask, counts, scaling, key_bits, value_bits, group, splits):
+def _(query, key_rotation, windows, history, center, attention_mask, counts, scaling, key_bits, value_bits, group,
+      splits):
     batch, hq, _, d = query.shape
     return query.new_empty(batch, 1, hq, d)
 
 
 def decode_on_device(query: torch.Tensor, layer, attention_mask: torch.Tensor | None, scaling: float | None
                      ) -> torch.Tensor:
-    """:func:`decode` of a static layer in its graph step: the operator, planned once for the layer's capacities."""
+    """:func:`decode` of a static layer in its graph step: the operator, planned once for the layer's capacities.
+    ``query``: as the model computed it (post-RoPE, not rotated): the operator rotates it by the layer's R_K."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    return torch.ops.oscar_hf.decode_attention(query, *layer_tensors(layer), attention_mask, layer.counts, scaling,
-                                               *layer.config.side_bits.values(), layer.group_size,
+    rotation = layer.key_rotation if layer.rotates_keys else None
+    return torch.ops.oscar_hf.decode_attention(query, rotation, *layer_tensors(layer), attention_mask, layer.counts,
+                                               scaling, *layer.config.side_bits.values(), layer.group_size,
                                                layer.decode_splits)
 
 
