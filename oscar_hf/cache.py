@@ -174,7 +174,7 @@ def _count(index: int, doc: str) -> property:
 
     def set(self, value: int) -> None:
         self.counts[index] = value
-        if isinstance(self.counts, torch.Tensor):
+        if self.counts_on_device:
             self.counts[BEFORE_STEP] = -1  # a host-side change: the last graph step can no longer be undone
 
     return property(get, set, doc=doc)

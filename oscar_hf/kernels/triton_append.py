@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from . import has_pdl, on_device_of
-from .triton_decode import layer_tensors, to_nearest_even
+from .triton_decode import _dot, layer_tensors, to_nearest_even
 from .triton_write import FULL_FLAG, TL_DTYPES, _quantize_tile, _store_rows, kernel_clip_index
 
 FULL = tl.constexpr(FULL_FLAG)
@@ -91,7 +91,7 @@ def _token(x_ptr, r_ptr, blocks, D: tl.constexpr, ROTATE: tl.constexpr, FP32_DOT
                 r = blocks[i // CHUNK]
             else:
                 r = tl.load(r_ptr + inner[:, None] * D + cols[None, :])
-            acc = tl.dot(x.to(tl.float32), r.to(tl.float32), acc) if FP32_DOT else tl.dot(x, r, acc)
+            acc = _dot(x, r, acc, FP32_DOT)
         row = to_nearest_even(tl.sum(acc, axis=0), x_ptr.dtype.element_ty)  # row 0: the others are zero
     else:
         row = tl.load(x_ptr + cols)

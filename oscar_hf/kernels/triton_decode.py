@@ -918,9 +918,9 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
     dt, magic_bits, magic_value, mantissa = MAGIC[query.dtype]
     interpreting = triton.knobs.runtime.interpret
     pdl = cfg.pdl and not interpreting and has_pdl(query.device)
-    if key_rotation is not None:
-        query = rotate_query(query if query.stride(-1) == 1 else query.contiguous(), key_rotation, pdl)
     query = query if query.stride(-1) == 1 else query.contiguous()
+    if key_rotation is not None:
+        query = rotate_query(query, key_rotation, pdl)
     hist_splits, sink_splits, total = splits
     if attention_mask is None:
         mask, mask_strides = query.new_zeros(1, dtype=torch.uint8), (0, 0, 0)
