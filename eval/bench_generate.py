@@ -74,7 +74,9 @@ on an H100 it took 0.40-0.47 ms off a 128K Qwen3-8B forward, OSCAR and bf16 alik
 eval/results), and ``inductor_cdt``: whether inductor tuned its kernels by coordinate descent
 (``TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1``), which also makes batch-1 matrix-vector products its own reductions
 instead of cuBLAS GEMMs (with PDL, a further 0.57-0.88 ms off that forward against the ``-inductor-pdl`` runs:
-``-inductor-cdt``).
+``-inductor-cdt``). Decode rows also record the GPU's clocks, power, temperature and clock-event (throttle) reasons
+as the replays end (``gpu_state``: ``sm_mhz``, ``mem_mhz``, ``power_w``, ``temp_c``, ``clock_events``), to tell a
+slowed GPU from a slow step.
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ from oscar_hf import (
     absorb_value_rotation,
     overlapped_sample,
 )
-from oscar_hf.evaluation.environment import GIB, device_slug, environment
+from oscar_hf.evaluation.environment import GIB, GPU_STATE, device_slug, environment, gpu_state
 from oscar_hf.generation import deferred_stop_check
 
 START = time.perf_counter()
@@ -255,7 +257,7 @@ DECODINGS = {"generate": None, "overlapped": overlapped_sample}  # name: generat
 
 COLUMNS = ["model", "method", "kind", "T", "batch", "decoding", "prefill_s", "prefill_chunk", "decode_tok_s",
            "ms_per_step", "forward_ms", "compile_s", "fill_s", "generate_s", "compiled", "graphs", "base_mem_gb",
-           "peak_mem_gb", "cache_gb", "stop_check", "status", "prefill_status"]
+           "peak_mem_gb", "cache_gb", "stop_check", *GPU_STATE, "status", "prefill_status"]
 TABLE = ["model", "method", "kind", "T", "batch", "decoding", "prefill_s", "decode_tok_s", "ms_per_step", "forward_ms",
          "compile_s", "peak_mem_gb", "cache_gb", "status"]
 LOG: list[str] = []
@@ -540,6 +542,7 @@ def measure_decode(model: torch.nn.Module, method: Method, length: int, batch: i
         if profile.kernels and forward_ms is not None:
             for line in kernel_times(recorder, profile.kernels, device):
                 say(line)
+        clocks = gpu_state(device) if device is not None else {}  # sampled as the replays end: was the GPU slowed?
     if out.shape != (batch, length + 1 + new_tokens):
         raise RuntimeError(f"generate returned {tuple(out.shape)}")
     timed_s = seconds(clock.marks[profile.warmup], clock.marks[-1])
@@ -549,7 +552,7 @@ def measure_decode(model: torch.nn.Module, method: Method, length: int, batch: i
               "fill_s": fill_s, "generate_s": generate_s, "compiled": compiled,
               "graphs": clock.graphs[-1] - graphs, "cache_gb": cache_bytes(cache) / GIB,
               "stop_check": "deferred" if deferred else "every step",
-              "base_mem_gb": base, "peak_mem_gb": peak}
+              "base_mem_gb": base, "peak_mem_gb": peak, **clocks}
     if compiled_graphs() != clock.graphs[profile.warmup]:
         result["status"] = "error: torch.compile compiled during the timed steps or replays (raise --warmup)"
     return result
@@ -662,7 +665,7 @@ def prefill_cases(profile: Profile) -> list[tuple[int, int]]:
 
 
 DECODE_FIELDS = ("decode_tok_s", "ms_per_step", "forward_ms", "compile_s", "graphs", "fill_s", "peak_mem_gb",
-                 "cache_gb", "status")
+                 "cache_gb", "sm_mhz", "mem_mhz", "power_w", "clock_events", "status")
 PREFILL_FIELDS = ("prefill_s", "prefill_chunk", "prefill_status")
 
 

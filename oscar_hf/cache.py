@@ -375,7 +375,8 @@ class OscarLayer(CacheLayerMixin):
             return
         # Too many tokens for the window: the oldest ones, down to recent_tokens (rounded down to whole demotion
         # units: token groups with per-channel K), go to the history.
-        window = {s: torch.cat([self.recent[s][:, :, : self.n_recent], t], dim=2) for s, t in rest.items()}
+        window = {s: torch.cat([self.recent[s][:, :, : self.n_recent], t], dim=2) for s, t in rest.items()
+                  } if self.n_recent else rest  # (a prompt reaches an empty window: no copy of it)
         demoted = (resident - cfg.recent_tokens) // cfg.demotion_unit * cfg.demotion_unit
         self._quantize_into_history({s: t[:, :, :demoted] for s, t in window.items()})
         self.n_recent = resident - demoted
@@ -387,8 +388,7 @@ class OscarLayer(CacheLayerMixin):
         n = rows["key"].shape[2]
         if not self.n_history:  # the first rows to reach the history (usually the prompt) set the means
             for side in cfg.centered_sides:
-                self.center[side].copy_(rows[side].float().mean(dim=2, keepdim=True))
-        rows = {s: t.float() - self.center[s] if s in cfg.centered_sides else t for s, t in rows.items()}
+                self.center[side].copy_(rows[side].mean(dim=2, keepdim=True, dtype=torch.float32))
         needed = self.n_history + n
         if needed > self.history.capacity:
             capacity = max(needed, self.history.capacity + max(HISTORY_GROWTH, self.history.capacity // 8))
@@ -403,6 +403,8 @@ class OscarLayer(CacheLayerMixin):
             v_clip=cfg.v_clip,
             scale_dtype=cfg.torch_scale_dtype,
             method=cfg.quantizer,
+            key_center=self.center["key"] if "key" in cfg.centered_sides else None,  # the writer stores x - μ
+            value_center=self.center["value"] if "value" in cfg.centered_sides else None,
         )
         packed = {f"{side}_{part}": t for side, q in zip(("key", "value"), quantized) for part, t in zip(q._fields, q)}
         self.history.write(self.n_history, packed)

@@ -292,3 +292,15 @@ def test_benchmark_environment_names_device_versions_and_commit():
     assert env["gpu"] == "cpu" and env["torch"] == torch.__version__ and env["commit"]
     assert device_slug({"gpu": "NVIDIA H100 80GB HBM3"}) == "nvidia-h100-80gb-hbm3"
     assert environment("cpu", "cpu-interpreter")["gpu"] == "cpu-interpreter"
+
+
+def test_gpu_state_reads_clocks_and_names_clock_events():
+    from oscar_hf.evaluation.environment import gpu_state, parse_gpu_state
+
+    assert gpu_state("cpu") == {}
+    state = parse_gpu_state("1980, 2619, 312.45, 39, 0x0000000000000000\n")
+    assert state == {"sm_mhz": 1980.0, "mem_mhz": 2619.0, "power_w": 312.45, "temp_c": 39.0, "clock_events": "none"}
+    throttled = parse_gpu_state("1410, 2619, 699.1, 84, 0x0000000000000024")
+    assert throttled["sm_mhz"] == 1410.0 and throttled["clock_events"] == "sw-power-cap+sw-thermal"
+    assert parse_gpu_state("1980, 2619, [N/A], 39, 0x0")["power_w"] is None
+    assert parse_gpu_state("No devices were found") == {}

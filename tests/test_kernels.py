@@ -25,7 +25,14 @@ from conftest import make_model  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
 from oscar_hf import OscarConfig, OscarLayer, OscarQuantizedCache, OscarRotations  # noqa: E402
-from oscar_hf.kernels import ATTENTION_BACKENDS, WRITE_BACKENDS, naive, triton_decode, triton_dequant  # noqa: E402
+from oscar_hf.kernels import (  # noqa: E402
+    ATTENTION_BACKENDS,
+    WRITE_BACKENDS,
+    naive,
+    quantize_kv,
+    triton_decode,
+    triton_dequant,
+)
 from oscar_hf.kernels.triton_decode import DecodeConfig, _decode_stage2_kernel, attend, decode  # noqa: E402
 from oscar_hf.kernels.triton_write import kernel_supports, quantize_pack, quantize_pack_kv  # noqa: E402
 from oscar_hf.quantizer import QuantizedRows, quantize, unpack  # noqa: E402
@@ -53,11 +60,13 @@ def test_backends_registered():
 @pytest.mark.parametrize("x_dtype", list(DTYPE_IDS), ids=DTYPE_IDS.get)
 @pytest.mark.parametrize(
     "d, bits, group, k_clip, v_clip",
-    [(128, 2, None, 0.96, 0.92), (64, 2, 32, 0.96, 1.0), (256, 2, 64, 0.9, 0.92), (128, 4, 64, 1.0, 0.96)],
-    ids=["D128-int2", "D64-int2-g32", "D256-int2-g64", "D128-int4-g64"],
+    [(128, 2, None, 0.96, 0.92), (64, 2, 32, 0.96, 1.0), (256, 2, 64, 0.9, 0.92), (128, 4, 64, 1.0, 0.96),
+     (128, 2, None, 97 / 128, 0.75)],
+    ids=["D128-int2", "D64-int2-g32", "D256-int2-g64", "D128-int4-g64", "D128-int2-low-clips"],
 )
 def test_write_kernel_equals_quantizer(d, bits, group, k_clip, v_clip, x_dtype, scale_dtype):
-    """Codes, scale and zero are bit-identical: the bisection τ is the sort's, every fp32 operation is the same."""
+    """Codes, scale and zero are bit-identical: τ is the sort's (low clips: K's 30 values above τ are the most the
+    kernel takes in turn, V's 31 go to bisection), every fp32 operation is the same."""
     x = randn(2, 2, 2, 37, d, seed=d + bits)
     x[..., ::16] *= 20  # outlier channels, as in real keys
     key, value = x.to(x_dtype).unbind(0)
@@ -90,6 +99,24 @@ def test_write_kernel_ties_strides_and_edge_rows():
     assert_same_rows(got_k, quantize(key, clip=0.96))
     assert_same_rows(got_v, quantize(value, clip=0.92))
     assert quantize_pack(torch.empty(2, 0, 64, device=DEVICE)).codes.shape == (2, 0, 16)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_write_kernel_centers_rows_as_the_torch_writer(x_dtype):
+    """``key_center``/``value_center``: the kernel subtracts the fp32 means from the loaded rows, bit for bit what
+    the torch writer stores (``x.float() - μ``), on strided views, with one side centered or both."""
+    window = (randn(2, 2, 3, 50, 128, seed=8) * 3 + 1).to(x_dtype)
+    key, value = window[0, :, :, 4:41], window[1, :, :, 9:46]
+    centers = [x.mean(dim=2, keepdim=True, dtype=torch.float32) for x in (key, value)]
+    kwargs = dict(k_clip=0.96, v_clip=0.92, scale_dtype=torch.float16)
+    for key_center, value_center in ((centers[0], centers[1]), (None, centers[1])):
+        got = quantize_pack_kv(key, value, key_center=key_center, value_center=value_center, **kwargs)
+        want = quantize_kv(key, value, key_center=key_center, value_center=value_center, **kwargs)
+        for g, w in zip(got, want):
+            assert_same_rows(g, w)
+    assert_same_rows(got[1], quantize(value.float() - centers[1], clip=0.92))
+    with pytest.raises(ValueError, match="center must be float32 of shape"):
+        quantize_pack_kv(key, value, key_center=centers[0][:, :1], **kwargs)
 
 
 def test_write_kernel_falls_back_to_the_oracle():

@@ -22,21 +22,37 @@ def quantize_kv(
     bits: int = 2,
     key_bits: int | None = None,
     key_token_group: int | None = None,
+    key_center: torch.Tensor | None = None,
+    value_center: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[QuantizedRows, QuantizedRows]:
     """The torch writer: ``quantizer.quantize`` on K (``key_bits``, default ``bits``) and on V (``bits``), with
-    the same keyword arguments otherwise.
+    the same keyword arguments otherwise, each side first minus its center where one is given (fp32 ``[..., 1, D]``
+    over the rows' leading dims: ``x.float() - center``).
 
     With ``key_token_group`` G (per-channel K, which the Triton write kernel does not do), K ``[..., N, D]``
     (N a multiple of G) goes through ``quantizer.quantize_per_channel`` instead, unclipped: OscarConfig
     requires ``k_clip=1.0`` and the uniform quantizer with per-channel K.
     """
     key_bits = bits if key_bits is None else key_bits
+    key, value = (x if c is None else x.float() - check_center(x, c) for x, c in ((key, key_center),
+                                                                                  (value, value_center)))
     values = quantize(value, clip=v_clip, bits=bits, **kwargs)
     if key_token_group is None:
         return quantize(key, clip=k_clip, bits=key_bits, **kwargs), values
     keys = quantize_per_channel(key, token_group=key_token_group, bits=key_bits, scale_dtype=kwargs["scale_dtype"])
     return keys, values
+
+
+def check_center(rows: torch.Tensor, center: torch.Tensor | None) -> torch.Tensor | None:
+    """``center``, after checking that it is an fp32 ``[..., 1, D]`` over the leading dims of ``rows [..., n, D]``
+    on their device (ValueError naming what differs)."""
+    if center is not None and (center.dtype != torch.float32 or center.device != rows.device
+                               or center.shape != (*rows.shape[:-2], 1, rows.shape[-1])):
+        raise ValueError(f"a writer's center must be float32 of shape {(*rows.shape[:-2], 1, rows.shape[-1])} on "
+                         f"{rows.device} for rows of shape {tuple(rows.shape)}; got {center.dtype} "
+                         f"{tuple(center.shape)} on {center.device}")
+    return center
 
 
 def on_device_of(t: torch.Tensor):
@@ -101,6 +117,6 @@ def graph_step_supported(layer) -> bool:
 
 
 def write_backend(name: str, device: torch.device):
-    """The K/V writer ``(key, value, *, bits, key_bits, group_size, k_clip, v_clip, scale_dtype, method)`` for
-    ``name``."""
+    """The K/V writer ``(key, value, *, bits, key_bits, group_size, k_clip, v_clip, scale_dtype, method, key_center,
+    value_center)`` for ``name``."""
     return WRITE_BACKENDS[_resolve(name, device, WRITE_BACKENDS)]

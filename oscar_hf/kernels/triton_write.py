@@ -3,8 +3,10 @@
 The pure-torch twin (and oracle) is :func:`oscar_hf.quantizer.quantize`; the kernel reproduces it
 bit for bit (codes, scale and zero) for the uniform quantizer:
 
-* clip threshold ``τ = sort(|x|)[floor(c·D)]``, found exactly by bisection on the bit pattern of
-  ``|x|`` (non-negative floats order like their int32 bits), so ties give the same ``τ`` as the sort;
+* clip threshold ``τ = sort(|x|)[floor(c·D)]``, found exactly on the bit patterns of ``|x|`` (non-negative
+  floats order like their int32 bits), so ties give the same ``τ`` as the sort: by taking the largest values in
+  turn where few lie above τ (c = 0.96 at D = 128: 6 rounds), else by bisection (31 rounds);
+* centering (the cache's ``x - μ``, fp32) on the loaded rows, so that no fp32 copy of them is made;
 * per group ``zero = min`` rounded down and ``scale = (max - zero) / levels`` rounded up to the scale
   dtype (IEEE divisions, ``div_rn``), codes ``floor((x - zero) / scale + 0.5)`` clamped to the levels;
 * packing: byte ``j`` holds channels ``j, j + D/n, …`` (``n = 8 / bits``) at bit offsets ``0, bits, …``.
@@ -23,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ..quantizer import QuantizedRows, clip_index, quantize
-from . import on_device_of
+from . import check_center, on_device_of, quantize_kv
 
 FP32_MAX = tl.constexpr(3.4028234663852886e38)
 FULL_FLAG = 1 << 16  # set by the append kernel (triton_append.py) when a static cache is full
@@ -47,6 +49,47 @@ def _round_to(x, DT: tl.constexpr, UP: tl.constexpr):
 
 
 @triton.jit
+def _clip_threshold(xs, CLIP_INDEX: tl.constexpr):
+    """The bits of ``τ = sort(|x|)[CLIP_INDEX]`` per row of the sub-tiles ``xs`` (fp32 ``[R, W]`` each): |x| as int32
+    bits, which order like the values. Where few values lie above τ (``ABOVE = D - 1 - CLIP_INDEX < 31``), ABOVE + 1
+    rounds each take the row's largest remaining value and its multiplicity until they pass ABOVE values; else
+    bisection over the 31 bits (the smallest v with ``#{bits <= v} > CLIP_INDEX``)."""
+    NSUB: tl.constexpr = len(xs)
+    ABOVE: tl.constexpr = NSUB * xs[0].shape[1] - 1 - CLIP_INDEX
+    a = ()
+    for i in tl.static_range(NSUB):
+        a = a + (tl.abs(xs[i]).to(tl.int32, bitcast=True),)
+    if ABOVE < 31:
+        taken = tl.zeros([xs[0].shape[0]], tl.int32)  # values above the current maximum
+        tau = tl.full([xs[0].shape[0]], -1, tl.int32)
+        for _ in tl.static_range(ABOVE + 1):
+            top = tl.max(a[0], axis=1)
+            for i in tl.static_range(1, NSUB):
+                top = tl.maximum(top, tl.max(a[i], axis=1))
+            ties = tl.zeros([xs[0].shape[0]], tl.int32)
+            rest = ()
+            for i in tl.static_range(NSUB):
+                tied = a[i] == top[:, None]
+                ties += tl.sum(tied.to(tl.int32), axis=1)
+                rest = rest + (tl.where(tied, -1, a[i]),)
+            a = rest
+            tau = tl.where((tau < 0) & (taken + ties > ABOVE), top, tau)
+            taken += ties
+    else:
+        lo = tl.zeros([xs[0].shape[0]], tl.int32)
+        tau = tl.full([xs[0].shape[0]], 0x7F800000, tl.int32)
+        for _ in range(31):
+            mid = lo + ((tau - lo) >> 1)
+            below = (a[0] <= mid[:, None]).to(tl.int32)
+            for i in tl.static_range(1, NSUB):
+                below += (a[i] <= mid[:, None]).to(tl.int32)
+            enough = tl.sum(below, axis=1) > CLIP_INDEX
+            tau = tl.where(enough, mid, tau)
+            lo = tl.where(enough, lo, mid + 1)
+    return tau
+
+
+@triton.jit
 def _quantize_tile(xs, tiny, CLIP_INDEX: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
                    SCALE_DT: tl.constexpr):
     """Rows as their ``8/bits`` channel sub-tiles ``xs[i] = x[:, i·W:(i+1)·W]`` (fp32 ``[R, W]``, ``W = D·bits/8``,
@@ -61,21 +104,8 @@ def _quantize_tile(xs, tiny, CLIP_INDEX: tl.constexpr, GROUP: tl.constexpr, BITS
     bad = 0
     for i in tl.static_range(NSUB):  # NaN compares False
         bad = bad | tl.max(tl.max(tl.where(tl.abs(xs[i]) <= FP32_MAX, 0, 1), axis=1), axis=0)
-    if CLIP_INDEX >= 0:  # τ bits = smallest v with #{|x| bits <= v} > CLIP_INDEX (exact order statistic)
-        a = ()
-        for i in tl.static_range(NSUB):
-            a = a + (tl.abs(xs[i]).to(tl.int32, bitcast=True),)
-        lo = tl.zeros([xs[0].shape[0]], tl.int32)
-        hi = tl.full([xs[0].shape[0]], 0x7F800000, tl.int32)
-        for _ in range(31):
-            mid = lo + ((hi - lo) >> 1)
-            below = (a[0] <= mid[:, None]).to(tl.int32)
-            for i in tl.static_range(1, NSUB):
-                below += (a[i] <= mid[:, None]).to(tl.int32)
-            enough = tl.sum(below, axis=1) > CLIP_INDEX
-            hi = tl.where(enough, mid, hi)
-            lo = tl.where(enough, lo, mid + 1)
-        tau = hi.to(tl.float32, bitcast=True)[:, None]
+    if CLIP_INDEX >= 0:
+        tau = _clip_threshold(xs, CLIP_INDEX).to(tl.float32, bitcast=True)[:, None]
         clipped = ()
         for i in tl.static_range(NSUB):
             clipped = clipped + (tl.minimum(tl.maximum(xs[i], -tau), tau),)
@@ -118,19 +148,25 @@ def _store_rows(codes_ptr, scale_ptr, zero_ptr, rows, stride_cn, stride_zn, live
 
 @triton.jit
 def _quantize_block(
-    x_ptr, stride_p, stride_n, n_per_p, rows,
+    x_ptr, stride_p, stride_n, n_per_p, rows, mu_ptr,
     codes_ptr, scale_ptr, zero_ptr, flag_ptr, tiny,
     FLAG_SHIFT: tl.constexpr, CLIP_INDEX: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
-    BITS: tl.constexpr, BLOCK_R: tl.constexpr, SCALE_DT: tl.constexpr,
+    BITS: tl.constexpr, BLOCK_R: tl.constexpr, SCALE_DT: tl.constexpr, CENTERED: tl.constexpr,
 ):
+    """Rows ``r`` of BLOCK_R (row ``r`` at ``x[r // n_per_p, r % n_per_p]``), minus ``μ[r // n_per_p]`` (fp32
+    ``[P, D]``) where CENTERED, quantized into codes, scale and zero row ``r``."""
     W: tl.constexpr = D * BITS // 8
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = r < rows
-    src = x_ptr + (r // n_per_p).to(tl.int64) * stride_p + (r % n_per_p).to(tl.int64) * stride_n
+    p = (r // n_per_p).to(tl.int64)
+    src = x_ptr + p * stride_p + (r % n_per_p).to(tl.int64) * stride_n
     xs = ()
     for i in tl.static_range(8 // BITS):
         cols = i * W + tl.arange(0, W)
-        xs = xs + (tl.load(src[:, None] + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32),)
+        x = tl.load(src[:, None] + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        if CENTERED:
+            x = tl.where(live[:, None], x - tl.load(mu_ptr + p[:, None] * D + cols[None, :], mask=live[:, None]), 0.0)
+        xs = xs + (x,)
     packed, scales, zeros, flag = _quantize_tile(xs, tiny, CLIP_INDEX, GROUP, BITS, SCALE_DT)
     flags = flag << FLAG_SHIFT
     tl.atomic_or(flag_ptr, flags, mask=flags != 0)
@@ -139,18 +175,19 @@ def _quantize_block(
 
 @triton.jit(do_not_specialize=["k_stride_p", "v_stride_p", "n_per_p", "rows"])  # lengths vary: compile once
 def _quantize_kv_kernel(
-    k_ptr, k_stride_p, k_stride_n, v_ptr, v_stride_p, v_stride_n, n_per_p, rows,
+    k_ptr, k_stride_p, k_stride_n, v_ptr, v_stride_p, v_stride_n, n_per_p, rows, k_mu_ptr, v_mu_ptr,
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, flag_ptr, tiny,
     K_CLIP_INDEX: tl.constexpr, V_CLIP_INDEX: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, BLOCK_R: tl.constexpr, SCALE_DT: tl.constexpr,
+    K_CENTERED: tl.constexpr, V_CENTERED: tl.constexpr,
 ):
     # grid (row blocks, sides): side 0 quantizes K, side 1 V, each into its own codes, scales and zeros
     if tl.program_id(1) == 0:
-        _quantize_block(k_ptr, k_stride_p, k_stride_n, n_per_p, rows, kc_ptr, ks_ptr, kz_ptr, flag_ptr,
-                        tiny, 0, K_CLIP_INDEX, D, GROUP, K_BITS, BLOCK_R, SCALE_DT)
+        _quantize_block(k_ptr, k_stride_p, k_stride_n, n_per_p, rows, k_mu_ptr, kc_ptr, ks_ptr, kz_ptr, flag_ptr,
+                        tiny, 0, K_CLIP_INDEX, D, GROUP, K_BITS, BLOCK_R, SCALE_DT, K_CENTERED)
     else:
-        _quantize_block(v_ptr, v_stride_p, v_stride_n, n_per_p, rows, vc_ptr, vs_ptr, vz_ptr, flag_ptr,
-                        tiny, 2, V_CLIP_INDEX, D, GROUP, V_BITS, BLOCK_R, SCALE_DT)
+        _quantize_block(v_ptr, v_stride_p, v_stride_n, n_per_p, rows, v_mu_ptr, vc_ptr, vs_ptr, vz_ptr, flag_ptr,
+                        tiny, 2, V_CLIP_INDEX, D, GROUP, V_BITS, BLOCK_R, SCALE_DT, V_CENTERED)
 
 
 def kernel_clip_index(ratio: float, head_dim: int) -> int:
@@ -197,21 +234,28 @@ def quantize_pack_kv(
     v_clip: float = 1.0,
     scale_dtype: torch.dtype = torch.float16,
     method: str = "uniform",
+    key_center: torch.Tensor | None = None,
+    value_center: torch.Tensor | None = None,
 ) -> tuple[QuantizedRows, QuantizedRows]:
     """Quantize K (to ``key_bits``, default ``bits``) and V (to ``bits``) rows (``[..., D]``, same shape,
-    bf16/fp16/fp32, any leading strides) in one launch.
+    bf16/fp16/fp32, any leading strides) in one launch, each minus its center where one is given (fp32
+    ``[..., 1, D]``, the rows' leading dims: the cache's ``x - μ``, computed in the kernel).
 
     Returns ``(QuantizedRows for key, QuantizedRows for value)``: codes uint8 ``[..., D·bits/8]``, scale
-    and zero ``[..., D/group]`` in ``scale_dtype``, equal to ``quantizer.quantize`` on each side. The
-    Lloyd-Max quantizer and non-power-of-two D fall back to that oracle.
+    and zero ``[..., D/group]`` in ``scale_dtype``, equal to the torch writer (``kernels.quantize_kv``:
+    ``quantizer.quantize`` of ``x.float() - center``) on each side. The Lloyd-Max quantizer and non-power-of-two D
+    fall back to that writer.
     """
     group = group_size or key.shape[-1]
     key_bits = bits if key_bits is None else key_bits
+    centers = (key_center, value_center)
     if key.shape != value.shape or not kernel_supports(key, group, method, key_bits, bits):
-        return (quantize(key, bits=key_bits, group_size=group_size, clip=k_clip, scale_dtype=scale_dtype,
-                         method=method),
-                quantize(value, bits=bits, group_size=group_size, clip=v_clip, scale_dtype=scale_dtype, method=method))
-    return _launch((key, value), (k_clip, v_clip), (key_bits, bits), group, scale_dtype)
+        return quantize_kv(key, value, bits=bits, key_bits=key_bits, group_size=group_size, k_clip=k_clip,
+                           v_clip=v_clip, scale_dtype=scale_dtype, method=method, key_center=key_center,
+                           value_center=value_center)
+    for x, center in zip((key, value), centers):
+        check_center(x, center)
+    return _launch((key, value), (k_clip, v_clip), (key_bits, bits), group, scale_dtype, centers)
 
 
 def quantize_pack(
@@ -230,9 +274,9 @@ def quantize_pack(
     return _launch((x,), (clip,), (bits,), group, scale_dtype)[0]
 
 
-def _launch(sides, clips, bits, group, scale_dtype) -> tuple[QuantizedRows, ...]:
-    """One launch over 1 or 2 same-shape sides (``bits``: one per side); raises the oracle's ValueErrors from the
-    kernel's flag word."""
+def _launch(sides, clips, bits, group, scale_dtype, centers=(None,)) -> tuple[QuantizedRows, ...]:
+    """One launch over 1 or 2 same-shape sides (``bits`` and ``centers``: one per side); raises the oracle's
+    ValueErrors from the kernel's flag word."""
     views = [_rows_view(x) for x in sides]
     k3 = views[0]
     d, n, rows = k3.shape[2], k3.shape[1], k3.shape[0] * k3.shape[1]
@@ -244,14 +288,15 @@ def _launch(sides, clips, bits, group, scale_dtype) -> tuple[QuantizedRows, ...]
         flag = torch.zeros(1, dtype=torch.int32, device=device)
         clip_indices = [kernel_clip_index(c, d) for c in clips]
         v3, vo = views[-1], outs[-1]
+        mus = [k3.new_empty(1, dtype=torch.float32) if c is None else c.reshape(-1, d).contiguous() for c in centers]
         block_r = max(1, 1024 // d)  # one warp per program: 0.51 ms for 32K tokens x 8 heads x D128 on an H100
         with on_device_of(k3):
             _quantize_kv_kernel[(triton.cdiv(rows, block_r), len(sides))](
-                k3, k3.stride(0), k3.stride(1), v3, v3.stride(0), v3.stride(1), n, rows,
+                k3, k3.stride(0), k3.stride(1), v3, v3.stride(0), v3.stride(1), n, rows, mus[0], mus[-1],
                 *outs[0], *vo, flag, torch.finfo(scale_dtype).tiny,
                 K_CLIP_INDEX=clip_indices[0], V_CLIP_INDEX=clip_indices[-1],
                 D=d, GROUP=group, K_BITS=bits[0], V_BITS=bits[-1], BLOCK_R=block_r, SCALE_DT=TL_DTYPES[scale_dtype],
-                num_warps=1,
+                K_CENTERED=centers[0] is not None, V_CENTERED=centers[-1] is not None, num_warps=1,
             )
         raise_for_flags(int(flag.item()), scale_dtype)
     lead = sides[0].shape[:-1]
