@@ -35,8 +35,10 @@ def quantize_kv(
     requires ``k_clip=1.0`` and the uniform quantizer with per-channel K.
     """
     key_bits = bits if key_bits is None else key_bits
-    key, value = (x if c is None else x.float() - check_center(x, c) for x, c in ((key, key_center),
-                                                                                  (value, value_center)))
+    if key_center is not None:
+        key = key.float() - check_center(key, key_center)
+    if value_center is not None:
+        value = value.float() - check_center(value, value_center)
     values = quantize(value, clip=v_clip, bits=bits, **kwargs)
     if key_token_group is None:
         return quantize(key, clip=k_clip, bits=key_bits, **kwargs), values
