@@ -19,9 +19,11 @@ faster at batch 1 to 8, T = 32K and 128K, D = 64, 128, 256; at batch 32, 32K (6-
 launches of one config differ there; ``bench_decode-dev-runs/probe_interleave.log``, ``probe_interleave_modes.log``).
 Sink/recent chunks (model dtype) are two tiles each and come first in the grid (where they are few, they first ask L2
 for their rows: :func:`_window_prefetch`). Stage 2 (grid ``B·Hq·q × D/32``) merges the chunks by log-sum-exp. On sm_90
-every stage is launched early (programmatic dependent launch), waiting for the kernel before it, and lets the next
-launch only once it has waited (stage 2 reads q before its own wait) (H100: at most 1.5% faster than launching stage 1
-plainly, at batch 1; ``probe_pdl.log``).
+every stage is launched early (programmatic dependent launch), waiting for the kernel before it; stages 0 and 1 let
+the next launch once they have waited (stage 2 reads q before its own wait), stage 2 only as it exits (the kernel
+after it then starts on idle SMs). A call runs no other kernel: a placeholder that no kernel reads is left
+uninitialised (a zero fill between the kernel before and stage 1 made stage 1 start 1.6-2 µs after that kernel's end,
+against 0.5 µs; ``bench_decode-dev-runs/probe_pdl2.log``, ``probe_fill.log``).
 
 History tiles. Byte ``j`` of a code row holds channels ``j + i·W`` (``W = D·bits/8``, ``i < 8/bits``), so halfword
 ``u`` holds channel ``2u + e + i·W`` at bit ``8e + i·bits`` (e = 0, 1): its position ``P = e·8/bits + i``. Rows of
@@ -751,10 +753,10 @@ def _decode_stage2_kernel(
         q = tl.load(q_ptr + b * stride_qb + head * stride_qh + row % Q_LEN * stride_qt + chans).to(tl.float32)
         q_mu = tl.sum(q * tl.load(mu_k_ptr + mu_off + chans), axis=0) * qk_scale
         mu_v = tl.load(mu_v_ptr + mu_off + cols)
-    if PDL:  # launched early: wait until stage 1 has finished and its writes are visible; then (every program of
-        # stage 1 gone) the next kernel may launch
+    if PDL:  # launched early: wait until stage 1 has finished and its writes are visible. The next kernel launches
+        # once this one has exited, onto idle SMs: let early, a one-wave stage 1 found this grid's programs in its
+        # way and spread unevenly (H100, batch 8, 32K: 66.8 -> 76.3 µs per call; ``probe_fill.log``)
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     m = -1.0e30  # finite: a step of empty splits leaves alpha = 1 and w = 0
     den = 0.0
     hist_den = 0.0
@@ -900,8 +902,8 @@ def layer_tensors(layer) -> tuple[list[torch.Tensor], list[torch.Tensor], list[t
 
 
 def _storage(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or a one-element stand-in when it is empty (its pointer is never read then)."""
-    return t if t.numel() else t.new_zeros(1)
+    """``t``, or a one-element stand-in when it is empty (its pointer is never read then: uninitialised, no kernel)."""
+    return t if t.numel() else t.new_empty(1)
 
 
 def _launch(query, windows, history, center, attention_mask, counts, scaling, key_bits, value_bits, group, splits,
@@ -922,8 +924,8 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
     if key_rotation is not None:
         query = rotate_query(query, key_rotation, pdl)
     hist_splits, sink_splits, total = splits
-    if attention_mask is None:
-        mask, mask_strides = query.new_zeros(1, dtype=torch.uint8), (0, 0, 0)
+    if attention_mask is None:  # a pointer never read: uninitialised, so that no fill kernel delays stage 1
+        mask, mask_strides = query.new_empty(1, dtype=torch.uint8), (0, 0, 0)
     else:
         mask = attention_mask[:, 0, -q_len:, :].expand(batch, q_len, -1).view(torch.uint8)
         mask_strides = mask.stride()
