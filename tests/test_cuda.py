@@ -183,3 +183,31 @@ def test_layers_split_over_two_gpus_generate_like_one(tmp_path):
         runs[name] = (torch.stack(out.logits, 1).float().cpu(), devices)
     assert runs["two"][1] == [0, 0, 1, 1] and runs["one"][1] == [0, 0, 0, 0]
     torch.testing.assert_close(runs["two"][0][:, :3], runs["one"][0][:, :3], rtol=0, atol=2e-2)
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "mask"])
+@pytest.mark.parametrize("sink_tokens", [4, 0])
+def test_a_static_layers_decode_launches_only_its_three_stages(masked, sink_tokens):
+    """A static layer's decode step is q's rotation, stage 1 and stage 2, and no other kernel: a fill or copy (of a
+    placeholder for an absent mask or an empty sink) between the kernel before and stage 1 would keep stage 1 from
+    launching early."""
+    from oscar_hf import OscarConfig, OscarLayer
+    from oscar_hf.kernels.triton_decode import decode_on_device
+    from oscar_hf.rotations import hadamard_matrix
+
+    rotation = hadamard_matrix(128).float()
+    config = OscarConfig(backend="triton", sink_tokens=sink_tokens, recent_tokens=8, flush_tokens=4)
+    layer = OscarLayer(config, rotation, rotation.T, max_cache_len=200)
+    kv = torch.randn(2, 1, 2, 101, 128, device="cuda").to(torch.bfloat16)
+    layer.update(kv[0, :, :, :100], kv[1, :, :, :100])
+    layer.update(kv[0, :, :, 100:], kv[1, :, :, 100:])  # a graph step
+    query = torch.randn(1, 8, 1, 128, device="cuda").to(torch.bfloat16)
+    mask = torch.ones(1, 1, 1, 200, dtype=torch.bool, device="cuda") if masked else None
+    decode_on_device(query, layer, mask, None)  # compiles
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        decode_on_device(query, layer, mask, None)
+        torch.cuda.synchronize()
+    work = sorted(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    assert len(work) == 3, work
+    assert [any(stage in name for name in work) for stage in ("rotate_query", "stage1", "stage2")] == [True] * 3, work
