@@ -287,7 +287,8 @@ def sweep_configs(batch: int, d: int, fast_ok: bool) -> list[DecodeConfig]:
 
 
 def time_configs(batch: int, hq: int, heads: int, d: int, n_hist: int, configs) -> tuple[list, list]:
-    """(kernel ms from CUDA graphs over rotated input sets, eager ms of one call) per config; the queries used."""
+    """(:class:`GraphTime` of CUDA graphs over rotated input sets, eager ms of one call) per config; the queries
+    used."""
     n_sets = rotations(packed_bytes(batch, hq, heads, d, n_hist))
     layers = [synthetic_layer(batch, heads, d, n_hist) for _ in range(n_sets)]
     queries = [torch.randn(batch, hq, 1, d, dtype=torch.bfloat16, device=DEVICE) for _ in range(n_sets)]
@@ -318,11 +319,11 @@ def sdpa_time(queries, batch: int, heads: int, context: int, d: int) -> dict[str
         for backend in backends:
             try:
                 with sdpa_kernel(backend):
-                    ms = graph_time(calls)
+                    timed = graph_time(calls)
             except RuntimeError:
                 continue
             for timing in best:
-                best[timing] = min(best[timing], (getattr(ms, timing), f"{layout}/{backend.name.lower()}"))
+                best[timing] = min(best[timing], (getattr(timed, timing), f"{layout}/{backend.name.lower()}"))
     return best
 
 
