@@ -665,7 +665,7 @@ def prefill_cases(profile: Profile) -> list[tuple[int, int]]:
 
 
 DECODE_FIELDS = ("decode_tok_s", "ms_per_step", "forward_ms", "compile_s", "graphs", "fill_s", "peak_mem_gb",
-                 "cache_gb", "sm_mhz", "mem_mhz", "power_w", "clock_events", "status")
+                 "cache_gb", *GPU_STATE, "status")
 PREFILL_FIELDS = ("prefill_s", "prefill_chunk", "prefill_status")
 
 

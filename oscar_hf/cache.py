@@ -375,8 +375,9 @@ class OscarLayer(CacheLayerMixin):
             return
         # Too many tokens for the window: the oldest ones, down to recent_tokens (rounded down to whole demotion
         # units: token groups with per-channel K), go to the history.
-        window = {s: torch.cat([self.recent[s][:, :, : self.n_recent], t], dim=2) for s, t in rest.items()
-                  } if self.n_recent else rest  # (a prompt reaches an empty window: no copy of it)
+        window = rest  # a prompt that reaches an empty window is not copied
+        if self.n_recent:
+            window = {s: torch.cat([self.recent[s][:, :, : self.n_recent], t], dim=2) for s, t in rest.items()}
         demoted = (resident - cfg.recent_tokens) // cfg.demotion_unit * cfg.demotion_unit
         self._quantize_into_history({s: t[:, :, :demoted] for s, t in window.items()})
         self.n_recent = resident - demoted
@@ -403,8 +404,7 @@ class OscarLayer(CacheLayerMixin):
             v_clip=cfg.v_clip,
             scale_dtype=cfg.torch_scale_dtype,
             method=cfg.quantizer,
-            key_center=self.center["key"] if "key" in cfg.centered_sides else None,  # the writer stores x - μ
-            value_center=self.center["value"] if "value" in cfg.centered_sides else None,
+            **{f"{side}_center": self.center[side] for side in cfg.centered_sides},  # the writer stores x - μ
         )
         packed = {f"{side}_{part}": t for side, q in zip(("key", "value"), quantized) for part, t in zip(q._fields, q)}
         self.history.write(self.n_history, packed)
