@@ -46,7 +46,8 @@ called ``steps`` more times back to back with the same inputs (one CUDA graph re
 token, so the caches are built with room for them): the decode step without generate's host work between steps
 (sampling, stopping criteria, input preparation). ``compile_s`` is what the warm-up steps took beyond as many timed
 steps (torch.compile and CUDA-graph capture for the compiled method); ``--kernels N`` then logs the forward's time
-by kernel (torch.profiler over 5 more replays: GPU time; on the CPU, self time by op). ``peak_mem_gb``:
+by kernel (torch.profiler over 5 more replays: GPU time, summed and on the critical path; on the CPU, self time by
+op). ``peak_mem_gb``:
 torch.cuda.max_memory_allocated during the generate call, i.e. weights + cache + decode working set
 (``base_mem_gb``: allocated before the cache). ``cache_gb``: the bytes of the cache's tensors after the call
 (``cache.nbytes`` for OSCAR). Memory in GiB, summed over the GPUs the model uses. Cases whose cache alone cannot fit
@@ -424,12 +425,35 @@ def replay_ms(recorder: ForwardRecorder, steps: int, device: torch.device) -> fl
     return 1e3 * seconds(start, timestamp(device)) / steps
 
 
+def critical_path_us(kernels: list[tuple[str, float, float]]) -> dict[str, float]:
+    """Each kernel's share of the GPU's wall time, by name: ``kernels`` are ``(name, start, end)``; walking them by end
+    time, a kernel is charged the busy time (some kernel running) between the latest end before it and its own end,
+    and the gaps where no kernel runs are charged to "(idle)". A kernel launched early that waits for its predecessor
+    is so charged from that predecessor's end; the charges sum to the span from the first start to the last end."""
+    busy = []  # the union of the kernels' intervals, in order
+    for _, start, end in sorted(kernels, key=lambda k: k[1]):
+        if busy and start <= busy[-1][1]:
+            busy[-1][1] = max(busy[-1][1], end)
+        else:
+            busy.append([start, end])
+    charged: dict[str, float] = {}
+    covered = busy[0][0] if busy else 0.0
+    for name, _, end in sorted(kernels, key=lambda k: k[2]):
+        added = sum(max(0.0, min(hi, end) - max(lo, covered)) for lo, hi in busy)
+        charged[name] = charged.get(name, 0.0) + added
+        covered = max(covered, end)
+    if len(busy) > 1:
+        charged["(idle)"] = sum(lo - hi for (_, hi), (lo, _) in zip(busy, busy[1:]))
+    return charged
+
+
 @torch.no_grad()
 def kernel_times(recorder: ForwardRecorder, top: int, device: torch.device, calls: int = KERNEL_CALLS) -> list[str]:
     """Lines for the log: time per call of the recorded forward, in all and for its ``top`` longest kernels
     (torch.profiler over ``calls`` more replays; GPU time of CUDA kernels, or self CPU time of ops on the CPU; a
     kernel launched n times per forward is one row, "x n"). Kernel times are summed, so kernels that overlap
-    (stage 2 of the decode launches early and waits for stage 1) count twice."""
+    (stage 2 of the decode launches early and waits for stage 1) count twice; on CUDA each row also gives the
+    kernel's time on the critical path (:func:`critical_path_us`), whose rows sum to the forward's GPU span."""
     cuda = device.type == "cuda"
     with torch.profiler.profile(activities=[getattr(torch.profiler.ProfilerActivity, "CUDA" if cuda else "CPU")]) as p:
         for _ in range(calls):
@@ -439,11 +463,22 @@ def kernel_times(recorder: ForwardRecorder, top: int, device: torch.device, call
     time_us = (lambda e: e.device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
     events = sorted((e for e in p.key_averages() if time_us(e) > 0), key=lambda e: -time_us(e))
     total = sum(map(time_us, events)) / calls / 1e3
-    overlap = " (summed: kernels that run at once, as the decode's two stages do, count twice)" if cuda else ""
-    lines = [f"    {'GPU' if cuda else 'CPU'} time per forward {total:.3f} ms in "
-             f"{sum(e.count for e in events) // calls} {'kernels' if cuda else 'ops'}{overlap}; longest:"]
-    return lines + [f"    {time_us(e) / calls / 1e3:8.3f} ms x{e.count // calls:4d}  {e.key[:100]}"
-                    for e in events[:top]]
+    if not cuda:
+        lines = [f"    CPU time per forward {total:.3f} ms in {sum(e.count for e in events) // calls} ops; longest:"]
+        return lines + [f"    {time_us(e) / calls / 1e3:8.3f} ms x{e.count // calls:4d}  {e.key[:100]}"
+                        for e in events[:top]]
+    critical = critical_path_us([(e.name, e.time_range.start, e.time_range.end) for e in p.events()
+                                 if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0])
+    span = sum(critical.values()) / calls / 1e3
+    lines = [f"    GPU time per forward {total:.3f} ms summed over {sum(e.count for e in events) // calls} kernels "
+             f"(kernels that run at once, as the decode's stages do, count twice); {span:.3f} ms per forward from "
+             f"the first kernel's start to the last one's end over the {calls} replays, idle gaps included (critical "
+             f"path: each kernel charged the time its end adds past the ends before it); longest, summed / critical:"]
+    lines += [f"    {time_us(e) / calls / 1e3:8.3f} / {critical.get(e.key, 0.0) / calls / 1e3:6.3f} ms "
+              f"x{e.count // calls:4d}  {e.key[:100]}" for e in events[:top]]
+    if "(idle)" in critical:
+        lines.append(f"    {'':8s}   {critical['(idle)'] / calls / 1e3:6.3f} ms        (idle: no kernel running)")
+    return lines
 
 
 @contextlib.contextmanager

@@ -175,6 +175,17 @@ def test_compiled_forward_is_replayed_without_generate(name, kernels, capsys):
         assert "CPU time per forward" in table[0] and all(" ms x" in line for line in table[1:])
 
 
+def test_critical_path_charges_each_kernel_the_time_its_end_adds():
+    """Overlapped kernels (one launched early, waiting for the one before) share the span without counting twice: each
+    is charged the busy time up to its end past the ends before it; gaps with no kernel are idle; the charges sum to
+    the whole span."""
+    kernels = [("gemv", 0.0, 10.0), ("stage1", 8.0, 30.0), ("stage2", 9.0, 32.0), ("tiny", 12.0, 13.0),
+               ("gemv", 35.0, 45.0)]
+    charged = bench.critical_path_us(kernels)
+    assert charged == {"gemv": 20.0, "tiny": 3.0, "stage1": 17.0, "stage2": 2.0, "(idle)": 3.0}
+    assert sum(charged.values()) == 45.0
+
+
 def test_split_map_spreads_the_layers_evenly_in_order():
     device_map = bench.split_map(36, 2)
     layers = [device_map[f"model.layers.{i}"] for i in range(36)]
