@@ -41,13 +41,14 @@ that the host prepares and launches a step while the GPU runs the one before; ``
 "deferred", or "every step" for a cache that is not croppable or on the CPU): generate feeds only the
 last prompt token, and the cache must go from T to T+N tokens. A logits processor records a CUDA event after every
 step. ``ms_per_step`` and ``decode_tok_s`` (batch x steps / seconds) come from the steps after the first ``warmup``
-decode steps. ``forward_ms`` (compiled methods): after generate, the compiled decode forward of its last step is
-called ``steps`` more times back to back with the same inputs (one CUDA graph replay each; every call stores one more
-token, so the caches are built with room for them): the decode step without generate's host work between steps
-(sampling, stopping criteria, input preparation). ``compile_s`` is what the warm-up steps took beyond as many timed
-steps (torch.compile and CUDA-graph capture for the compiled method); ``--kernels N`` then logs the forward's time
-by kernel (torch.profiler over 5 more replays: GPU time, summed and on the critical path; on the CPU, self time by
-op). ``peak_mem_gb``:
+decode steps; ``ms_per_step_median`` and ``ms_per_step_max`` are the median and the longest of those steps (a step
+the host launched late, say while Python collected garbage, lengthens the mean but not the median). ``forward_ms``
+(compiled methods): after generate, the compiled decode forward of its last step is called ``steps`` more times back
+to back with the same inputs (one CUDA graph replay each; every call stores one more token, so the caches are built
+with room for them): the decode step without generate's host work between steps (sampling, stopping criteria, input
+preparation). ``compile_s`` is what the warm-up steps took beyond as many timed steps (torch.compile and CUDA-graph
+capture for the compiled method); ``--kernels N`` then logs the forward's time by kernel (torch.profiler over 5 more
+replays: GPU time, summed and on the critical path; on the CPU, self time by op). ``peak_mem_gb``:
 torch.cuda.max_memory_allocated during the generate call, i.e. weights + cache + decode working set
 (``base_mem_gb``: allocated before the cache). ``cache_gb``: the bytes of the cache's tensors after the call
 (``cache.nbytes`` for OSCAR). Memory in GiB, summed over the GPUs the model uses. Cases whose cache alone cannot fit
@@ -90,6 +91,7 @@ import gc
 import importlib.util
 import itertools
 import math
+import statistics
 import time
 import traceback
 from dataclasses import dataclass, replace
@@ -257,8 +259,9 @@ CAPACITY_METHODS = ("oscar", "bf16-dynamic")
 DECODINGS = {"generate": None, "overlapped": overlapped_sample}  # name: generate's custom_generate
 
 COLUMNS = ["model", "method", "kind", "T", "batch", "decoding", "prefill_s", "prefill_chunk", "decode_tok_s",
-           "ms_per_step", "forward_ms", "compile_s", "fill_s", "generate_s", "compiled", "graphs", "base_mem_gb",
-           "peak_mem_gb", "cache_gb", "stop_check", *GPU_STATE, "status", "prefill_status"]
+           "ms_per_step", "ms_per_step_median", "ms_per_step_max", "forward_ms", "compile_s", "fill_s", "generate_s",
+           "compiled", "graphs", "base_mem_gb", "peak_mem_gb", "cache_gb", "stop_check", *GPU_STATE, "status",
+           "prefill_status"]
 TABLE = ["model", "method", "kind", "T", "batch", "decoding", "prefill_s", "decode_tok_s", "ms_per_step", "forward_ms",
          "compile_s", "peak_mem_gb", "cache_gb", "status"]
 LOG: list[str] = []
@@ -582,7 +585,11 @@ def measure_decode(model: torch.nn.Module, method: Method, length: int, batch: i
         raise RuntimeError(f"generate returned {tuple(out.shape)}")
     timed_s = seconds(clock.marks[profile.warmup], clock.marks[-1])
     step_s = timed_s / profile.steps
-    result = {"decode_tok_s": batch * profile.steps / timed_s, "ms_per_step": 1e3 * step_s, "forward_ms": forward_ms,
+    timed = clock.marks[profile.warmup:]
+    steps_ms = sorted(1e3 * seconds(a, b) for a, b in zip(timed, timed[1:]))
+    result = {"decode_tok_s": batch * profile.steps / timed_s, "ms_per_step": 1e3 * step_s,
+              "ms_per_step_median": statistics.median(steps_ms), "ms_per_step_max": steps_ms[-1],
+              "forward_ms": forward_ms,
               "compile_s": max(0.0, seconds(clock.marks[0], clock.marks[profile.warmup]) - profile.warmup * step_s),
               "fill_s": fill_s, "generate_s": generate_s, "compiled": compiled,
               "graphs": clock.graphs[-1] - graphs, "cache_gb": cache_bytes(cache) / GIB,
@@ -699,8 +706,8 @@ def prefill_cases(profile: Profile) -> list[tuple[int, int]]:
     return [(length, batches[0]) for length in lengths] + [(lengths[0], batch) for batch in batches[1:2]]
 
 
-DECODE_FIELDS = ("decode_tok_s", "ms_per_step", "forward_ms", "compile_s", "graphs", "fill_s", "peak_mem_gb",
-                 "cache_gb", *GPU_STATE, "status")
+DECODE_FIELDS = ("decode_tok_s", "ms_per_step", "ms_per_step_median", "ms_per_step_max", "forward_ms", "compile_s",
+                 "graphs", "fill_s", "peak_mem_gb", "cache_gb", *GPU_STATE, "status")
 PREFILL_FIELDS = ("prefill_s", "prefill_chunk", "prefill_status")
 
 

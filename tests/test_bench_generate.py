@@ -47,8 +47,11 @@ def test_smoke_run_writes_every_row_with_finite_numbers(tmp_path):
             assert row["status"] == "not-installed"
             continue
         assert row["status"] == "ok", row
-        for key in ("decode_tok_s", "ms_per_step", "fill_s", "generate_s", "cache_gb"):
+        for key in ("decode_tok_s", "ms_per_step", "ms_per_step_median", "ms_per_step_max", "fill_s", "generate_s",
+                    "cache_gb"):
             assert math.isfinite(float(row[key])) and float(row[key]) > 0, (key, row)
+        median, mean, longest = (float(row[k]) for k in ("ms_per_step_median", "ms_per_step", "ms_per_step_max"))
+        assert median <= longest and mean <= longest * (1 + 1e-9), row
         assert float(row["compile_s"]) >= 0 and row["compiled"] == "False" and row["graphs"] == "0"
         assert row["decoding"] == "generate" and row["stop_check"] == "every step"
         if (length, batch) in prefilled:
