@@ -42,13 +42,13 @@ that the host prepares and launches a step while the GPU runs the one before; ``
 last prompt token, and the cache must go from T to T+N tokens. A logits processor records a CUDA event after every
 step. ``ms_per_step`` and ``decode_tok_s`` (batch x steps / seconds) come from the steps after the first ``warmup``
 decode steps; ``ms_per_step_median`` and ``ms_per_step_max`` are the median and the longest of those steps (a step
-the host launched late, say while Python collected garbage, lengthens the mean but not the median). ``forward_ms``
-(compiled methods): after generate, the compiled decode forward of its last step is called ``steps`` more times back
-to back with the same inputs (one CUDA graph replay each; every call stores one more token, so the caches are built
-with room for them): the decode step without generate's host work between steps (sampling, stopping criteria, input
-preparation). ``compile_s`` is what the warm-up steps took beyond as many timed steps (torch.compile and CUDA-graph
-capture for the compiled method); ``--kernels N`` then logs the forward's time by kernel (torch.profiler over 5 more
-replays: GPU time, summed and on the critical path; on the CPU, self time by op). ``peak_mem_gb``:
+the host launched late lengthens the mean, hardly the median). ``forward_ms`` (compiled methods): after generate,
+the compiled decode forward of its last step is called ``steps`` more times back to back with the same inputs (one
+CUDA graph replay each; every call stores one more token, so the caches are built with room for them): the decode
+step without generate's host work between steps (sampling, stopping criteria, input preparation). ``compile_s`` is
+what the warm-up steps took beyond as many timed steps (torch.compile and CUDA-graph capture for the compiled
+method); ``--kernels N`` then logs the forward's time by kernel (torch.profiler over 5 more replays: GPU time,
+summed and on the critical path; on the CPU, self time by op). ``peak_mem_gb``:
 torch.cuda.max_memory_allocated during the generate call, i.e. weights + cache + decode working set
 (``base_mem_gb``: allocated before the cache). ``cache_gb``: the bytes of the cache's tensors after the call
 (``cache.nbytes`` for OSCAR). Memory in GiB, summed over the GPUs the model uses. Cases whose cache alone cannot fit
@@ -456,7 +456,8 @@ def kernel_times(recorder: ForwardRecorder, top: int, device: torch.device, call
     (torch.profiler over ``calls`` more replays; GPU time of CUDA kernels, or self CPU time of ops on the CPU; a
     kernel launched n times per forward is one row, "x n"). Kernel times are summed, so kernels that overlap
     (stage 2 of the decode launches early and waits for stage 1) count twice; on CUDA each row also gives the
-    kernel's time on the critical path (:func:`critical_path_us`), whose rows sum to the forward's GPU span."""
+    kernel's time on the critical path (:func:`critical_path_us`), whose rows and idle gaps sum to the replays'
+    span."""
     cuda = device.type == "cuda"
     with torch.profiler.profile(activities=[getattr(torch.profiler.ProfilerActivity, "CUDA" if cuda else "CPU")]) as p:
         for _ in range(calls):
