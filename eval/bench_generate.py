@@ -560,7 +560,8 @@ def measure_decode(model: torch.nn.Module, method: Method, length: int, batch: i
     check_length(cache, length)
     ids = random_ids(model, batch, length + 1)
     clock = StepClock(device)
-    compiled = model._valid_auto_compile_criteria({"past_key_values": cache}, model.generation_config)
+    # transformers 5.24 names generate's cache "cache" (before: "past_key_values")
+    compiled = model._valid_auto_compile_criteria({"cache": cache, "past_key_values": cache}, model.generation_config)
     graphs = compiled_graphs()
     for d in cuda_devices(model):
         torch.cuda.reset_peak_memory_stats(d)

@@ -27,6 +27,7 @@ storage through them. Sliding-window layers keep transformers' own bf16 layer.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -56,6 +57,17 @@ def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
 
 def _is_identity(rotation: torch.Tensor) -> bool:
     return torch.equal(rotation, torch.eye(rotation.shape[-1], dtype=rotation.dtype, device=rotation.device))
+
+
+@dataclass
+class _UpdateRecord:
+    """A host-side update's undo: the counts (sink, history, recent) before it, its rotated tokens, and the recent
+    rows and means before it where its demotion overwrote them (else None)."""
+
+    counts: tuple[int, int, int]
+    new: dict[str, torch.Tensor]
+    recent: dict[str, torch.Tensor] | None
+    center: dict[str, torch.Tensor] | None
 
 
 class OscarKV:
@@ -209,6 +221,7 @@ class OscarLayer(CacheLayerMixin):
         # same four before the last graph step after them
         self.counts: list[int] | torch.Tensor = [0, 0, 0, 0]
         self.graph_step = False  # decode steps as device-only operators (set by lazy_initialization)
+        self._last_update: _UpdateRecord | None = None  # what crop needs to take back the last host-side update
         self.defers_host_reads = False  # set by oscar_hf.generation.overlapped_sample (see get_seq_length)
 
     n_sink = _count(0, "tokens in the sink")
@@ -222,10 +235,12 @@ class OscarLayer(CacheLayerMixin):
 
     @property
     def is_croppable(self) -> bool:
-        """Whether a rollback of one step leaves no trace, as transformers' deferred stop check needs: true where
-        decode steps are graph steps, since ``crop(-1)`` right after one restores the counts it started from. (Other
-        crops keep the tokens that the removed ones pushed into the quantized history there.)"""
-        return self.graph_step
+        """Whether a crop right after an update leaves no trace, as transformers' rollbacks need (a deferred stop
+        check's extra step, assisted decoding's rejected candidates): true. ``crop(-1)`` right after a graph step
+        restores the counts it started from; a crop right after a host-side update of at most ``recent_tokens``
+        tokens restores the layer as it was before it and stores the kept tokens again. (Other crops keep in the
+        history the tokens that the removed ones pushed there.)"""
+        return True
 
     @property
     def length(self) -> int:
@@ -320,6 +335,7 @@ class OscarLayer(CacheLayerMixin):
         if self.takes_graph_step(key_states):
             from .kernels.triton_append import append
 
+            self._last_update = None
             append(self, key_states, value_states)
             return OscarKV(self, key_states, self.rotate_keys), OscarKV(self, value_states, self.rotate_values)
         self._check_room(key_states, value_states)
@@ -361,6 +377,7 @@ class OscarLayer(CacheLayerMixin):
         self._unroll_recent()
         cfg = self.config
         n = new["key"].shape[2]
+        self._last_update = self._record(new) if n <= cfg.recent_tokens else None
         to_sink = min(cfg.sink_tokens - self.n_sink, n)
         if to_sink:
             _reserve(self.sink, self.n_sink, self.n_sink + to_sink, cfg.sink_tokens)
@@ -383,6 +400,28 @@ class OscarLayer(CacheLayerMixin):
         self.n_recent = resident - demoted
         _reserve(self.recent, 0, self.n_recent, limit)
         self.recent.write(0, {s: t[:, :, demoted:] for s, t in window.items()})
+
+    def _record(self, new: dict[str, torch.Tensor]) -> "_UpdateRecord":
+        """What a crop needs to take back an update of ``new``'s tokens: the counts before it, and what a demotion
+        would overwrite (the recent rows; the means, where it would be the first)."""
+        n_sink, n_history, n_recent = self.n_sink, self.n_history, self.n_recent
+        demotes = n_recent + new["key"].shape[2] - max(0, self.config.sink_tokens - n_sink) > self.recent_limit
+        return _UpdateRecord(
+            (n_sink, n_history, n_recent), new,
+            {s: t[:, :, :n_recent].clone() for s, t in self.recent.tensors.items()} if demotes else None,
+            {s: t.clone() for s, t in self.center.tensors.items()} if demotes and not n_history else None,
+        )
+
+    def _take_back(self, record: "_UpdateRecord", tokens: int) -> None:
+        """Undo the update of ``record``, then store its first ``tokens`` tokens again."""
+        if record.recent is not None:
+            self.recent.write(0, record.recent)
+        if record.center is not None:
+            for side, t in record.center.items():
+                self.center[side].copy_(t)
+        self.n_sink, self.n_history, self.n_recent = record.counts
+        if tokens:
+            self._append({s: t[:, :, :tokens] for s, t in record.new.items()})
 
     def _quantize_into_history(self, rows: dict[str, torch.Tensor]) -> None:
         cfg = self.config
@@ -473,6 +512,7 @@ class OscarLayer(CacheLayerMixin):
         return [t for segment in self._segments() for t in segment.tensors.values()]
 
     def reset(self) -> None:
+        self._last_update = None
         if self.counts_on_device:  # in place: compiled graphs hold these addresses
             self.counts.zero_()
             self.counts[BEFORE_STEP] = -1
@@ -483,11 +523,17 @@ class OscarLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the newest ``-tokens_to_remove`` tokens (transformers passes a negative count, sometimes as a
         0-d tensor: a growing layer's counts must stay Python ints). ``crop(0)`` touches nothing (a deferred stop
-        check calls it every step); ``crop(-1)`` right after a graph step undoes that step exactly."""
+        check calls it every step); ``crop(-1)`` right after a graph step undoes that step exactly, and a crop right
+        after a host-side update of at most ``recent_tokens`` tokens leaves what that update's kept tokens alone would
+        have left (see ``is_croppable``)."""
         tokens_to_remove = int(tokens_to_remove)
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative number of tokens to remove; got {tokens_to_remove}")
         if tokens_to_remove == 0:
+            return
+        record, self._last_update = self._last_update, None
+        if record is not None and -tokens_to_remove <= record.new["key"].shape[2]:
+            self._take_back(record, record.new["key"].shape[2] + tokens_to_remove)
             return
         if tokens_to_remove == -1 and self.counts_on_device and int(self.counts[BEFORE_STEP]) >= 0:
             self.counts[:BEFORE_STEP] = self.counts[BEFORE_STEP:].clone()
@@ -516,6 +562,7 @@ class OscarLayer(CacheLayerMixin):
         self.n_history, self.n_recent = start, cut
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._last_update = None
         if self.counts_on_device:  # in place: compiled graphs hold these addresses
             for t in self._tensors():
                 t.copy_(t.index_select(0, beam_idx.to(t.device)))
@@ -524,10 +571,12 @@ class OscarLayer(CacheLayerMixin):
             segment.map(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        self._last_update = None
         for segment in self._segments():
             segment.map(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._last_update = None
         for segment in self._segments():
             segment.map(lambda t: t[indices])
 

@@ -11,7 +11,7 @@ only. :func:`overlapped_sample` runs transformers' own loop with it enabled on e
                          custom_generate=oscar_hf.overlapped_sample)
 
 A cache that generate returns (one passed in, or ``return_dict_in_generate=True``) must be croppable by a step
-(``Cache.is_croppable``; OSCAR's static caches are), else the loop synchronises every step as usual.
+(``Cache.is_croppable``; OSCAR's caches are), else the loop synchronises every step as usual.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def overlapped_sample(model, input_ids: torch.LongTensor, logits_processor, stop
     if mode not in MODES:
         raise ValueError(f"overlapped_sample runs greedy search and sampling, not {mode.value}: drop custom_generate "
                          "to let generate choose the loop")
-    cache = model_kwargs.get("past_key_values")
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))  # transformers 5.24 calls it cache
     _check_capacity(cache, generation_config.max_length)
     layers = [layer for layer in getattr(cache, "layers", ()) if isinstance(layer, OscarLayer)]
     for layer in layers:

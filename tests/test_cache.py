@@ -1,5 +1,6 @@
 """OscarLayer / OscarQuantizedCache semantics: layout, demotion, accounting, crop, reorder, attention."""
 
+import itertools
 import types
 
 import pytest
@@ -129,6 +130,38 @@ def test_crop_removes_newest_tokens_exactly(config):
     assert (layer.n_sink, layer.n_recent) == (4, 2)
     with pytest.raises(ValueError, match="negative"):
         layer.crop(3)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
+@pytest.mark.parametrize("config", [{}, PER_CHANNEL], ids=["per-token", "per-channel"])
+def test_crop_right_after_an_update_leaves_what_the_kept_tokens_alone_leave(config, static):
+    """transformers' rollbacks (assisted decoding's rejected candidates, a deferred stop check's extra step) crop
+    right after an update, and need it to leave no trace (``is_croppable``): the layer then holds, bit for bit, what
+    a layer that received only the kept tokens holds, though the update had pushed tokens into the history (and, the
+    first time, set the means)."""
+    keys, values = rows(60, 0), rows(60, 1)
+    for prompt, kept in itertools.product((3, 9, 30), (0, 2, 5)):  # demoting: the first tokens, a group, more
+        cfg = OscarConfig(**{"sink_tokens": 4, "recent_tokens": 8, "flush_tokens": 4, **config})
+        cropped, straight = (OscarLayer(cfg, random_orthogonal(D, 1), random_orthogonal(D, 2),
+                                        max_cache_len=80 if static else None) for _ in range(2))
+        for layer in (cropped, straight):
+            layer.update(keys[:, :, :prompt], values[:, :, :prompt])
+        assert cropped.is_croppable
+        cropped.update(keys[:, :, prompt : prompt + 6], values[:, :, prompt : prompt + 6])  # six candidates
+        demoted = cropped.n_history
+        cropped.crop(-(6 - kept))
+        if kept:
+            straight.update(keys[:, :, prompt : prompt + kept], values[:, :, prompt : prompt + kept])
+        assert (cropped.n_sink, cropped.n_history, cropped.n_recent) == (
+            straight.n_sink, straight.n_history, straight.n_recent), (prompt, kept, demoted)
+        for side in ("key", "value"):
+            assert torch.equal(cropped.materialize(side), straight.materialize(side)), (prompt, kept, side)
+            assert torch.equal(cropped.center[side], straight.center[side])
+        for name, t in straight.history.read(straight.n_history).items():  # (per-channel K: rows of token groups)
+            assert torch.equal(cropped.history.read(straight.n_history)[name], t), name
+        cropped.update(keys[:, :, 40:41], values[:, :, 40:41])  # and the layer goes on as the other does
+        straight.update(keys[:, :, 40:41], values[:, :, 40:41])
+        assert torch.equal(cropped.materialize("key"), straight.materialize("key"))
 
 
 @pytest.mark.parametrize("config", [{}, PER_CHANNEL], ids=["per-token", "per-channel"])
