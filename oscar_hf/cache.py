@@ -66,8 +66,8 @@ class _UpdateRecord:
 
     counts: tuple[int, int, int]
     new: dict[str, torch.Tensor]
-    recent: dict[str, torch.Tensor] | None
-    center: dict[str, torch.Tensor] | None
+    recent: dict[str, torch.Tensor] | None = None
+    center: dict[str, torch.Tensor] | None = None
 
 
 class OscarKV:
@@ -224,6 +224,12 @@ class OscarLayer(CacheLayerMixin):
         self._last_update: _UpdateRecord | None = None  # what crop needs to take back the last host-side update
         self.defers_host_reads = False  # set by oscar_hf.generation.overlapped_sample (see get_seq_length)
 
+    # A crop right after an update leaves no trace, as transformers' rollbacks need (a deferred stop check's extra
+    # step, assisted decoding's rejected candidates): crop(-1) right after a graph step restores the counts it started
+    # from; a crop right after a host-side update of at most recent_tokens tokens takes it back (_last_update) and
+    # stores the kept tokens again. (Other crops keep in the history the tokens that the removed ones pushed there.)
+    is_croppable = True
+
     n_sink = _count(0, "tokens in the sink")
     n_history = _count(1, "tokens in the quantized history")
     n_recent = _count(2, "tokens in the recent window")
@@ -232,15 +238,6 @@ class OscarLayer(CacheLayerMixin):
     @property
     def counts_on_device(self) -> bool:
         return isinstance(self.counts, torch.Tensor)
-
-    @property
-    def is_croppable(self) -> bool:
-        """Whether a crop right after an update leaves no trace, as transformers' rollbacks need (a deferred stop
-        check's extra step, assisted decoding's rejected candidates): true. ``crop(-1)`` right after a graph step
-        restores the counts it started from; a crop right after a host-side update of at most ``recent_tokens``
-        tokens restores the layer as it was before it and stores the kept tokens again. (Other crops keep in the
-        history the tokens that the removed ones pushed there.)"""
-        return True
 
     @property
     def length(self) -> int:
@@ -377,7 +374,8 @@ class OscarLayer(CacheLayerMixin):
         self._unroll_recent()
         cfg = self.config
         n = new["key"].shape[2]
-        self._last_update = self._record(new) if n <= cfg.recent_tokens else None
+        record = _UpdateRecord((self.n_sink, self.n_history, self.n_recent), new) if n <= cfg.recent_tokens else None
+        self._last_update = record
         to_sink = min(cfg.sink_tokens - self.n_sink, n)
         if to_sink:
             _reserve(self.sink, self.n_sink, self.n_sink + to_sink, cfg.sink_tokens)
@@ -395,22 +393,15 @@ class OscarLayer(CacheLayerMixin):
         window = rest  # a prompt that reaches an empty window is not copied
         if self.n_recent:
             window = {s: torch.cat([self.recent[s][:, :, : self.n_recent], t], dim=2) for s, t in rest.items()}
+            if record is not None:  # the rows the write below overwrites, for a crop (window is a copy)
+                record.recent = {s: t[:, :, : self.n_recent] for s, t in window.items()}
+        if record is not None and not self.n_history:  # the means the demotion sets
+            record.center = {s: t.clone() for s, t in self.center.tensors.items()}
         demoted = (resident - cfg.recent_tokens) // cfg.demotion_unit * cfg.demotion_unit
         self._quantize_into_history({s: t[:, :, :demoted] for s, t in window.items()})
         self.n_recent = resident - demoted
         _reserve(self.recent, 0, self.n_recent, limit)
         self.recent.write(0, {s: t[:, :, demoted:] for s, t in window.items()})
-
-    def _record(self, new: dict[str, torch.Tensor]) -> "_UpdateRecord":
-        """What a crop needs to take back an update of ``new``'s tokens: the counts before it, and what a demotion
-        would overwrite (the recent rows; the means, where it would be the first)."""
-        n_sink, n_history, n_recent = self.n_sink, self.n_history, self.n_recent
-        demotes = n_recent + new["key"].shape[2] - max(0, self.config.sink_tokens - n_sink) > self.recent_limit
-        return _UpdateRecord(
-            (n_sink, n_history, n_recent), new,
-            {s: t[:, :, :n_recent].clone() for s, t in self.recent.tensors.items()} if demotes else None,
-            {s: t.clone() for s, t in self.center.tensors.items()} if demotes and not n_history else None,
-        )
 
     def _take_back(self, record: "_UpdateRecord", tokens: int) -> None:
         """Undo the update of ``record``, then store its first ``tokens`` tokens again."""
