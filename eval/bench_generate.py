@@ -34,11 +34,11 @@ Methods (--methods):
 
 Decode, per (model, method, T, batch): a fresh cache is filled with T tokens of random bf16 K/V through each layer's
 ``cache.update`` in chunks (for OSCAR the real rotate, quantize and pack write path; ``fill_s``), then
-``model.generate(input_ids=<T+1 random ids>, attention_mask=ones, past_key_values=cache, max_new_tokens=N,
-min_new_tokens=N, do_sample=False)`` runs N = warmup + steps + 1 one-token forward passes (``--decodings
-overlapped``: with ``custom_generate=oscar_hf.overlapped_sample``, which defers generate's stop check by a step so
-that the host prepares and launches a step while the GPU runs the one before; ``stop_check`` says whether it did:
-"deferred", or "every step" for a cache that is not croppable or on the CPU): generate feeds only the
+``model.generate(input_ids=<T+1 random ids>, attention_mask=ones, cache=cache, max_new_tokens=N, min_new_tokens=N,
+do_sample=False)`` (``past_key_values=`` before transformers 5.24) runs N = warmup + steps + 1 one-token forward
+passes (``--decodings overlapped``: with ``custom_generate=oscar_hf.overlapped_sample``, which defers generate's stop
+check by a step so that the host prepares and launches a step while the GPU runs the one before; ``stop_check`` says
+whether it did: "deferred", or "every step" for a cache that is not croppable or on the CPU): generate feeds only the
 last prompt token, and the cache must go from T to T+N tokens. A logits processor records a CUDA event after every
 step. ``ms_per_step`` and ``decode_tok_s`` (batch x steps / seconds) come from the steps after the first ``warmup``
 decode steps; ``ms_per_step_median`` and ``ms_per_step_max`` are the median and the longest of those steps (a step
@@ -121,6 +121,7 @@ from oscar_hf import (
     OscarQuantizedCache,
     OscarRotations,
     absorb_value_rotation,
+    cache_kwargs,
     overlapped_sample,
 )
 from oscar_hf.evaluation.environment import GIB, GPU_STATE, device_slug, environment, gpu_state
@@ -570,7 +571,7 @@ def measure_decode(model: torch.nn.Module, method: Method, length: int, batch: i
         ids.device, cache, cache_is_returned=True, is_assistant=False)
     with recorded_forward(model, compiled) as recorder:
         start = timestamp(device)
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache),
                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                              logits_processor=LogitsProcessorList([clock]),
                              custom_generate=DECODINGS[decoding])
@@ -610,9 +611,9 @@ def measure_prefill(model: torch.nn.Module, method: Method, length: int, batch: 
     clock = StepClock(device)
     with lm_head_positions(model) as positions:
         start = timestamp(device)
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=1,
-                       min_new_tokens=1, do_sample=False, prefill_chunk_size=chunk, disable_compile=True,
-                       logits_processor=LogitsProcessorList([clock]))
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache),
+                       max_new_tokens=1, min_new_tokens=1, do_sample=False, prefill_chunk_size=chunk,
+                       disable_compile=True, logits_processor=LogitsProcessorList([clock]))
     prefill_s = seconds(start, clock.marks[0])
     clock.check(1)
     check_length(cache, length)

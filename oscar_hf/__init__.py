@@ -10,7 +10,7 @@ from .calibrate import calibrate
 from .config import OscarConfig
 from .diagnostics import diagnose
 from .generation import overlapped_sample
-from .model_support import ModelShape, UnsupportedModelError, check_model_supported
+from .model_support import ModelShape, UnsupportedModelError, cache_kwargs, check_model_supported
 from .recipes import load_recipe
 from .rotations import OscarRotations, hadamard_matrix
 
@@ -20,6 +20,7 @@ register()
 
 __all__ = [
     "absorb_value_rotation",
+    "cache_kwargs",
     "calibrate",
     "diagnose",
     "load_recipe",

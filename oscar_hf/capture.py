@@ -1,6 +1,6 @@
 """Read post-norm, post-RoPE q, k and v exactly where the cache sees them, with no dump to disk.
 
-``CaptureCache`` is passed as ``past_key_values``; it stores nothing. Its layers hand K/V to the
+``CaptureCache`` is passed as the model's cache; it stores nothing. Its layers hand K/V to the
 "oscar" attention function as :class:`CapturedKV`, which calls the observer's ``observe`` with
 the query, K, V and the attention output of every layer, then returns the normal sdpa result.
 """
@@ -71,7 +71,7 @@ class CaptureLayer(CacheLayerMixin):
 
 
 class CaptureCache(Cache):
-    """``past_key_values`` for a capture forward: one CaptureLayer per model layer."""
+    """The cache of a capture forward: one CaptureLayer per model layer."""
 
     def __init__(self, observer: Observer, num_layers: int):
         super().__init__(layers=[CaptureLayer(observer, i) for i in range(num_layers)])
@@ -81,8 +81,8 @@ class CaptureCache(Cache):
 def run_capture(model: torch.nn.Module, observer: Observer, input_ids: torch.Tensor) -> None:
     """One forward of unpadded ``input_ids [B, L]`` with every layer's q, k, v sent to ``observer``."""
     from .cache import enable
-    from .model_support import ModelShape
+    from .model_support import ModelShape, cache_kwargs
 
     enable(model)
     cache = CaptureCache(observer, ModelShape.from_config(model.config).num_layers)
-    model(input_ids=input_ids.to(model.device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=input_ids.to(model.device), **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)

@@ -12,6 +12,7 @@ from transformers import DynamicCache
 from .cache import OscarQuantizedCache
 from .calibrate import calibrate, token_chunks
 from .diagnostics import diagnose, format_comparison
+from .model_support import cache_kwargs
 from .recipes import load_recipe
 from .rotations import OscarRotations
 
@@ -54,7 +55,7 @@ def generate_pair(
         start = time.perf_counter()
         out = model.generate(
             **inputs,
-            past_key_values=cache,
+            **cache_kwargs(model, cache),
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,

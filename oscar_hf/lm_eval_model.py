@@ -38,6 +38,7 @@ except ImportError as err:
 from oscar_hf.cache import OscarQuantizedCache
 from oscar_hf.config import OscarConfig
 from oscar_hf.evaluation.methods import METHODS, make_cache
+from oscar_hf.model_support import cache_kwargs
 from oscar_hf.rotations import OscarRotations
 
 # model_args that are OscarConfig overrides -> OscarConfig field. HFLM already takes "backend" (causal/seq2seq).
@@ -99,7 +100,7 @@ class OscarHFLM(HFLM):
 
     def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs):
         """Generate from left-padded ``context [B, T]`` with a fresh cache for this batch."""
-        return super()._model_generate(context, max_length, stop, past_key_values=self.new_cache(),
+        return super()._model_generate(context, max_length, stop, **cache_kwargs(self.model, self.new_cache()),
                                        cache_implementation=None, **generation_kwargs)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
@@ -141,10 +142,11 @@ class OscarHFLM(HFLM):
         cache = self.new_cache()
         with torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
                             enabled=self.mixed_precision_dtype is not None):
-            out = self.model(input_ids=ids[:, :prefill], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = self.model(input_ids=ids[:, :prefill], **cache_kwargs(self.model, cache), use_cache=True,
+                             logits_to_keep=1)
             logits = [out.logits[:, -1]] if prefill == context_length else []
             for t in range(prefill, width - 1):
-                out = self.model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+                out = self.model(input_ids=ids[:, t : t + 1], **cache_kwargs(self.model, cache), use_cache=True)
                 logits.append(out.logits[:, -1])
         logprobs = F.log_softmax(torch.stack(logits, dim=1), dim=-1, dtype=self.softmax_dtype)  # [B, n, vocab]
         targets = ids[:, context_length:]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,13 @@ class ModelShape:
             layer_types=tuple(layer_types),
             sliding_window=sliding_window,
         )
+
+
+def cache_kwargs(model: torch.nn.Module, cache) -> dict:
+    """``{name: cache}`` for ``model(...)`` and ``model.generate(...)``: ``cache`` where the model's forward takes it
+    so (transformers 5.24 renamed ``past_key_values``, which it accepts until 5.40 in forward and 6.0 in generate),
+    else ``past_key_values``."""
+    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
 
 
 def check_model_supported(model: torch.nn.Module) -> ModelShape:

@@ -7,7 +7,7 @@ import torch
 from conftest import VOCAB, make_model
 
 import oscar_hf.cache as cache_module
-from oscar_hf import ModelShape, OscarQuantizedCache, OscarRotations, absorb_value_rotation
+from oscar_hf import ModelShape, OscarQuantizedCache, OscarRotations, absorb_value_rotation, cache_kwargs
 
 ARCHS = ["qwen2-gqa-bias-d64", "llama-mha-d64"]  # GQA with a v_proj bias; MHA without biases
 
@@ -62,9 +62,9 @@ def test_plain_forward_is_unchanged(models):
 def test_same_logits_through_an_unquantized_cache(models):
     """Windows of 64 + 256 tokens hold the whole prompt: the only difference is where R_V is applied."""
     model, bundle, absorbed, absorbed_bundle = models
-    reference = model(prompt(), past_key_values=OscarQuantizedCache.from_pretrained(bundle, model=model)).logits
+    reference = model(prompt(), **cache_kwargs(model, OscarQuantizedCache.from_pretrained(bundle, model=model))).logits
     cache = OscarQuantizedCache.from_pretrained(absorbed_bundle, model=absorbed)
-    torch.testing.assert_close(absorbed(prompt(), past_key_values=cache).logits, reference, atol=1e-4, rtol=0)
+    torch.testing.assert_close(absorbed(prompt(), **cache_kwargs(absorbed, cache)).logits, reference, atol=1e-4, rtol=0)
 
 
 @torch.no_grad()

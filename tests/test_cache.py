@@ -8,7 +8,7 @@ import torch
 from conftest import make_model
 
 import oscar_hf.cache as cache_module
-from oscar_hf import OscarConfig, OscarLayer, OscarQuantizedCache, OscarRotations, hadamard_matrix
+from oscar_hf import OscarConfig, OscarLayer, OscarQuantizedCache, OscarRotations, cache_kwargs, hadamard_matrix
 from oscar_hf.attention import oscar_attention_forward
 from oscar_hf.evaluation import make_cache
 from oscar_hf.quantizer import dequantize, dequantize_per_channel, quantize, quantize_per_channel
@@ -184,7 +184,7 @@ def test_nbytes_and_bits_per_element_match_the_analytic_count():
     shape_layers, kv_heads, dim = 2, 2, 128
     cache = OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model)
     seq = 1000
-    model(input_ids=torch.randint(3, 90, (1, seq)), past_key_values=cache, use_cache=True)
+    model(input_ids=torch.randint(3, 90, (1, seq)), **cache_kwargs(model, cache), use_cache=True)
     history = seq - 64 - 256
     expected_bits = 16 * (64 + 256) + history * (2 + 32 / 128) + 32  # + the fp32 centering means
     assert cache.bits_per_element == pytest.approx(expected_bits / seq)
@@ -234,7 +234,7 @@ def test_key_bits_layers_give_listed_layers_wider_keys():
     model = make_model("qwen3-gqa-qknorm-d128", num_hidden_layers=3)
     cache = OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model, key_bits=4,
                                                 key_bits_layers=[1], sink_tokens=4, recent_tokens=8)
-    model(input_ids=torch.randint(3, 90, (1, 100)), past_key_values=cache, use_cache=True)
+    model(input_ids=torch.randint(3, 90, (1, 100)), **cache_kwargs(model, cache), use_cache=True)
     assert [layer.history["key_codes"].shape[-1] for layer in cache.layers] == [32, 64, 32]
     assert {layer.history["value_codes"].shape[-1] for layer in cache.layers} == {32}
     assert cache.bits_per_element == pytest.approx(cache.config.bits_per_element(128, 100, 32, num_layers=3))
@@ -285,7 +285,7 @@ def test_cache_refuses_a_model_whose_attention_is_not_oscar():
     model = make_model("llama-mha-d64")
     cache = OscarQuantizedCache(model.config, OscarRotations.identity(model.config))
     with pytest.raises(RuntimeError, match="oscar_hf.enable"):
-        model(input_ids=torch.tensor([[5, 6, 7]]), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.tensor([[5, 6, 7]]), **cache_kwargs(model, cache), use_cache=True)
 
 
 def test_sliding_window_layers_fall_back_to_plain_sdpa():
@@ -450,10 +450,10 @@ def test_kivi_2_stores_what_its_bits_per_element_say():
     cache = make_cache("kivi-2", model)
     ids = torch.randint(3, 90, (1, 240), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        model(input_ids=ids[:, :200], past_key_values=cache, use_cache=True)  # 88 past the window: 2 groups
+        model(input_ids=ids[:, :200], **cache_kwargs(model, cache), use_cache=True)  # 88 past the window: 2 groups
         assert cache.bits_per_element == pytest.approx((136 * 32 + 64 * (2 + 16 / 32 + 16 / 32)) / 200)
         for t in range(200, 240):  # decode: the window cycles through 112 .. 143 tokens
-            model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, t : t + 1], **cache_kwargs(model, cache), use_cache=True)
             assert cache.bits_per_element == pytest.approx(cache.config.bits_per_element(128, t + 1, model_bits=32))
     layer = cache.layers[0]
     assert (layer.n_sink, layer.n_history, layer.n_recent) == (0, 128, 112)

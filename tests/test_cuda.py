@@ -5,7 +5,7 @@ import torch
 from conftest import make_model
 from test_generate import MODES, run
 
-from oscar_hf import OscarQuantizedCache, OscarRotations
+from oscar_hf import OscarQuantizedCache, OscarRotations, cache_kwargs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -46,11 +46,11 @@ def test_triton_and_torch_backends_agree_with_int2_history(arch, dtype, key_bits
             key_bits=key_bits,
         )
         with torch.no_grad():
-            out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+            model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), use_cache=True)
             step = model(
                 input_ids=ids[:, -1:],
                 attention_mask=torch.cat([mask, mask[:, -1:]], 1),
-                past_key_values=out.past_key_values,
+                **cache_kwargs(model, cache),
                 use_cache=True,
             )
         assert all(layer.n_history > 0 for layer in cache.layers)

@@ -6,7 +6,7 @@ from conftest import VOCAB, make_model
 from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
-from oscar_hf import OscarQuantizedCache, OscarRotations
+from oscar_hf import OscarQuantizedCache, OscarRotations, cache_kwargs
 from oscar_hf.evaluation import make_cache
 
 NEW_TOKENS = 12
@@ -176,10 +176,10 @@ def test_quantized_greedy_logits_close_to_full_precision():
     cache = OscarQuantizedCache.from_pretrained(
         OscarRotations.hadamard(model.config), model=model, sink_tokens=4, recent_tokens=4
     )
-    cache_out = model(**inputs, past_key_values=cache, use_cache=True)  # prefill quantizes 32 of the 40 tokens
+    model(**inputs, **cache_kwargs(model, cache), use_cache=True)  # prefill quantizes 32 of the 40 tokens
     step = model(
         input_ids=torch.tensor([[7]]),
-        past_key_values=cache_out.past_key_values,
+        **cache_kwargs(model, cache),
         attention_mask=torch.ones(1, 41, dtype=torch.long),
     )
     reference = model(input_ids=torch.cat([inputs["input_ids"], torch.tensor([[7]])], dim=1)).logits[:, -1]

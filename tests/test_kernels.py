@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 from conftest import make_model  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
-from oscar_hf import OscarConfig, OscarLayer, OscarQuantizedCache, OscarRotations  # noqa: E402
+from oscar_hf import OscarConfig, OscarLayer, OscarQuantizedCache, OscarRotations, cache_kwargs  # noqa: E402
 from oscar_hf.kernels import (  # noqa: E402
     ATTENTION_BACKENDS,
     WRITE_BACKENDS,
@@ -460,7 +460,7 @@ def teacher_forced_logits(model, ids, mask, cache, prompt_len):
     with torch.no_grad():
         for start, stop in [(0, prompt_len)] + [(t, t + 1) for t in range(prompt_len, ids.shape[1] - 1)]:
             out = model(input_ids=ids[:, start:stop], attention_mask=mask[:, :stop],
-                        position_ids=positions[:, start:stop], past_key_values=cache, use_cache=True)
+                        position_ids=positions[:, start:stop], **cache_kwargs(model, cache), use_cache=True)
             logits.append(out.logits[:, -1].float())
     return torch.stack(logits, 1)
 
@@ -516,7 +516,7 @@ def test_chunks_of_several_tokens_through_the_model(monkeypatch):
         with torch.no_grad():
             for start, stop in [(0, 24), (24, 27), (27, 30), (30, 34), (34, 37), (37, 42)]:
                 out = model(input_ids=ids[:, start:stop], attention_mask=mask[:, :stop],
-                            position_ids=positions[:, start:stop], past_key_values=cache, use_cache=True)
+                            position_ids=positions[:, start:stop], **cache_kwargs(model, cache), use_cache=True)
                 logits.append(out.logits.float())
         assert all(layer.n_history > 0 for layer in cache.layers)
         return torch.cat(logits[1:], 1)

@@ -18,7 +18,7 @@ from lm_eval.api.registry import get_model  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
-from oscar_hf import OscarQuantizedCache, OscarRotations  # noqa: E402
+from oscar_hf import OscarQuantizedCache, OscarRotations, cache_kwargs  # noqa: E402
 from oscar_hf.lm_eval_model import OscarHFLM  # noqa: E402
 
 WORDS = ("the a cat dog fish bird red blue green sun moon tree house river stone runs sees eats likes "
@@ -157,8 +157,8 @@ def test_tiny_windows_put_the_quantized_cache_in_the_loop(assets, hf_results, mo
     cache = OscarQuantizedCache.from_pretrained(assets["rotations"], model=model, sink_tokens=2, recent_tokens=2)
     ids = torch.tensor([context_ids + continuation_ids])
     with torch.no_grad():
-        model(input_ids=ids[:, : len(context_ids) - 1], past_key_values=cache)
-        logits = [model(input_ids=ids[:, t : t + 1], past_key_values=cache).logits[0, -1]
+        model(input_ids=ids[:, : len(context_ids) - 1], **cache_kwargs(model, cache))
+        logits = [model(input_ids=ids[:, t : t + 1], **cache_kwargs(model, cache)).logits[0, -1]
                   for t in range(len(context_ids) - 1, ids.shape[1] - 1)]
     logprobs = torch.stack(logits).log_softmax(-1)
     expected = logprobs.gather(-1, torch.tensor(continuation_ids)[:, None]).sum().item()

@@ -1,11 +1,13 @@
 """Which models the OSCAR cache serves, and clear refusals for the ones it cannot serve correctly."""
 
+import warnings
+
 import pytest
 import torch
 import transformers
 from conftest import VOCAB, make_model
 
-from oscar_hf import OscarQuantizedCache, OscarRotations, UnsupportedModelError, check_model_supported
+from oscar_hf import OscarQuantizedCache, OscarRotations, UnsupportedModelError, cache_kwargs, check_model_supported
 
 TINY = dict(
     vocab_size=VOCAB,
@@ -90,3 +92,25 @@ def test_gemma3_head_dim_256_with_sliding_layers_is_served():
 def test_supported_architectures_report_their_shape(arch):
     shape = check_model_supported(make_model(arch))
     assert shape.num_layers == 2 and "full_attention" in shape.layer_types
+
+
+def test_cache_kwargs_names_the_argument_the_installed_transformers_takes():
+    """transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name warns); before it, a ``cache=`` went
+    unread into the model's kwargs and the cache stayed empty."""
+    model = make_model("qwen3-gqa-qknorm-d128")
+    rotations = OscarRotations.hadamard(model.config)
+    forward_cache, generate_cache = (OscarQuantizedCache.from_pretrained(rotations, model=model) for _ in range(2))
+    ids = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        model(input_ids=ids, **cache_kwargs(model, forward_cache), use_cache=True)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, generate_cache),
+                             max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert forward_cache.get_seq_length() == 5
+    assert out.shape == (1, 8) and generate_cache.get_seq_length() == 7  # all but the last new token
+
+    class Legacy(torch.nn.Module):  # remote code that kept the old name
+        def forward(self, input_ids, past_key_values=None):
+            return input_ids
+
+    assert cache_kwargs(Legacy(), forward_cache) == {"past_key_values": forward_cache}

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ..model_support import cache_kwargs
 from .methods import make_cache, stored_bits
 
 INSTRUCTION = "Solve this math problem step by step. End your reply with 'The answer is N.'\n\n"
@@ -70,7 +71,7 @@ def evaluate_gsm8k(
             enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
             cache = make_cache(name, model, calibrated)
             out = model.generate(
-                **enc, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad
+                **enc, **cache_kwargs(model, cache), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad
             )
             longest = max(longest, out.shape[1])
             bits = stored_bits(cache, model)

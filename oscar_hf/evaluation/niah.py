@@ -6,6 +6,7 @@ import random
 
 import torch
 
+from ..model_support import cache_kwargs
 from .methods import make_cache, stored_bits
 
 NEEDLE = "The special magic number is {number}."
@@ -57,7 +58,7 @@ def evaluate_niah(
                 out = model.generate(
                     input_ids=ids,
                     attention_mask=torch.ones_like(ids),
-                    past_key_values=cache,
+                    **cache_kwargs(model, cache),
                     max_new_tokens=32,
                     do_sample=False,
                     pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
