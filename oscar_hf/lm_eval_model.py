@@ -139,14 +139,13 @@ class OscarHFLM(HFLM):
         width = max(map(len, sequences))
         ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences], device=self.device)
         prefill = max(context_length - 1, 1)  # a one-token context is prefilled whole: it predicts from itself alone
-        cache = self.new_cache()
+        through = cache_kwargs(self.model, self.new_cache())
         with torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
                             enabled=self.mixed_precision_dtype is not None):
-            out = self.model(input_ids=ids[:, :prefill], **cache_kwargs(self.model, cache), use_cache=True,
-                             logits_to_keep=1)
+            out = self.model(input_ids=ids[:, :prefill], **through, use_cache=True, logits_to_keep=1)
             logits = [out.logits[:, -1]] if prefill == context_length else []
             for t in range(prefill, width - 1):
-                out = self.model(input_ids=ids[:, t : t + 1], **cache_kwargs(self.model, cache), use_cache=True)
+                out = self.model(input_ids=ids[:, t : t + 1], **through, use_cache=True)
                 logits.append(out.logits[:, -1])
         logprobs = F.log_softmax(torch.stack(logits, dim=1), dim=-1, dtype=self.softmax_dtype)  # [B, n, vocab]
         targets = ids[:, context_length:]

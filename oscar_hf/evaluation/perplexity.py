@@ -35,10 +35,11 @@ def teacher_forced_logprobs(model, cache, segments: torch.Tensor, context: int) 
     """Log-probabilities ``[B, n, vocab]`` (float32) of tokens ``context .. L-1`` of ``segments [B, L]``,
     prefilling ``context`` tokens and then decoding one token at a time through ``cache``."""
     ids = segments.to(model.device)
-    out = model(input_ids=ids[:, :context], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+    through = cache_kwargs(model, cache)
+    out = model(input_ids=ids[:, :context], **through, use_cache=True, logits_to_keep=1)
     logits = [out.logits[:, -1].float()]
     for t in range(context, ids.shape[1] - 1):
-        out = model(input_ids=ids[:, t : t + 1], **cache_kwargs(model, cache), use_cache=True)
+        out = model(input_ids=ids[:, t : t + 1], **through, use_cache=True)
         logits.append(out.logits[:, -1].float())
     return torch.stack(logits, dim=1).log_softmax(-1)
 
