@@ -35,7 +35,7 @@ def deferred_stop_check() -> type:
     base = getattr(generation_utils, "DeferredStopCheck", None)
     if base is None:
         raise ImportError(f"overlapped_sample needs transformers' DeferredStopCheck, which transformers "
-                          f"{transformers.__version__} does not have (5.17 to 5.23 do)")
+                          f"{transformers.__version__} does not have (5.17 to 5.24 do)")
 
     class DeferredOnEveryAccelerator(base):
         @staticmethod
