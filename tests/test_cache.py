@@ -449,11 +449,12 @@ def test_kivi_2_stores_what_its_bits_per_element_say():
     model = make_model("qwen3-gqa-qknorm-d128")  # fp32 (fast on the CPU): 2 layers, 2 KV heads, head_dim 128
     cache = make_cache("kivi-2", model)
     ids = torch.randint(3, 90, (1, 240), generator=torch.Generator().manual_seed(0))
+    through = cache_kwargs(model, cache)
     with torch.no_grad():
-        model(input_ids=ids[:, :200], **cache_kwargs(model, cache), use_cache=True)  # 88 past the window: 2 groups
+        model(input_ids=ids[:, :200], **through, use_cache=True)  # 88 past the window: 2 groups
         assert cache.bits_per_element == pytest.approx((136 * 32 + 64 * (2 + 16 / 32 + 16 / 32)) / 200)
         for t in range(200, 240):  # decode: the window cycles through 112 .. 143 tokens
-            model(input_ids=ids[:, t : t + 1], **cache_kwargs(model, cache), use_cache=True)
+            model(input_ids=ids[:, t : t + 1], **through, use_cache=True)
             assert cache.bits_per_element == pytest.approx(cache.config.bits_per_element(128, t + 1, model_bits=32))
     layer = cache.layers[0]
     assert (layer.n_sink, layer.n_history, layer.n_recent) == (0, 128, 112)

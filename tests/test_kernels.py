@@ -456,11 +456,11 @@ def test_dequantize_kernel_equals_materialize(dtype, bits, group, centering, key
 def teacher_forced_logits(model, ids, mask, cache, prompt_len):
     """Logits of the prompt's last token, then of every later token of ``ids`` fed one at a time."""
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    logits = []
+    logits, through = [], cache_kwargs(model, cache)
     with torch.no_grad():
         for start, stop in [(0, prompt_len)] + [(t, t + 1) for t in range(prompt_len, ids.shape[1] - 1)]:
             out = model(input_ids=ids[:, start:stop], attention_mask=mask[:, :stop],
-                        position_ids=positions[:, start:stop], **cache_kwargs(model, cache), use_cache=True)
+                        position_ids=positions[:, start:stop], **through, use_cache=True)
             logits.append(out.logits[:, -1].float())
     return torch.stack(logits, 1)
 
@@ -512,11 +512,11 @@ def test_chunks_of_several_tokens_through_the_model(monkeypatch):
     def chunked(backend):
         cache = OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model,
                                                     sink_tokens=4, recent_tokens=8, backend=backend)
-        logits = []
+        logits, through = [], cache_kwargs(model, cache)
         with torch.no_grad():
             for start, stop in [(0, 24), (24, 27), (27, 30), (30, 34), (34, 37), (37, 42)]:
                 out = model(input_ids=ids[:, start:stop], attention_mask=mask[:, :stop],
-                            position_ids=positions[:, start:stop], **cache_kwargs(model, cache), use_cache=True)
+                            position_ids=positions[:, start:stop], **through, use_cache=True)
                 logits.append(out.logits.float())
         assert all(layer.n_history > 0 for layer in cache.layers)
         return torch.cat(logits[1:], 1)

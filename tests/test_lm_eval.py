@@ -156,9 +156,10 @@ def test_tiny_windows_put_the_quantized_cache_in_the_loop(assets, hf_results, mo
     model = AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32)
     cache = OscarQuantizedCache.from_pretrained(assets["rotations"], model=model, sink_tokens=2, recent_tokens=2)
     ids = torch.tensor([context_ids + continuation_ids])
+    through = cache_kwargs(model, cache)
     with torch.no_grad():
-        model(input_ids=ids[:, : len(context_ids) - 1], **cache_kwargs(model, cache))
-        logits = [model(input_ids=ids[:, t : t + 1], **cache_kwargs(model, cache)).logits[0, -1]
+        model(input_ids=ids[:, : len(context_ids) - 1], **through)
+        logits = [model(input_ids=ids[:, t : t + 1], **through).logits[0, -1]
                   for t in range(len(context_ids) - 1, ids.shape[1] - 1)]
     logprobs = torch.stack(logits).log_softmax(-1)
     expected = logprobs.gather(-1, torch.tensor(continuation_ids)[:, None]).sum().item()
