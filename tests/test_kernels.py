@@ -154,15 +154,19 @@ class Attn(torch.nn.Module):
         self.num_key_value_groups, self.is_causal = groups, True
 
 
-def filled_layer(batch, heads, dim, n_history, dtype, *, sink=4, recent=8, pads=(), seed=0, key_ramp=0.0, **config):
+def filled_layer(batch, heads, dim, n_history, dtype, *, sink=4, recent=8, pads=(), seed=0, key_ramp=0.0, spike=None,
+                 **config):
     """An OscarLayer holding ``sink ‖ n_history quantized ‖ recent`` tokens after a prefill and one decode step,
     the returned handles being those of the decode step. Left-padded positions hold huge K/V, so any leak shows;
-    ``key_ramp`` scales the keys up along the sequence (to ``1 + key_ramp`` times), so the logits' max keeps rising."""
+    ``key_ramp`` scales the keys up along the sequence (to ``1 + key_ramp`` times), so the logits' max keeps rising;
+    ``spike``: (position, keys ``[B, H, D]``) replaces the keys there."""
     cfg = OscarConfig(sink_tokens=sink, recent_tokens=recent, flush_tokens=1, backend="torch", **config)
     layer = OscarLayer(cfg, torch.eye(dim), torch.eye(dim))
     total = sink + n_history + recent  # flush_tokens=1: every token past the windows is demoted at once
     kv = randn(2, batch, heads, total, dim, seed=seed)
     kv[0] *= 1 + key_ramp * torch.linspace(0, 1, total, device=kv.device)[:, None]
+    if spike is not None:
+        kv[0, :, :, spike[0]] = spike[1]
     for row, pad in enumerate(pads):
         kv[:, row, :, :pad] = 30.0
     key, value = kv.to(dtype).unbind(0)
@@ -187,9 +191,12 @@ def fp32_reference(query, layer, mask, groups):
 TOLERANCE = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 
 
-def check_decode(batch, heads, groups, dim, n_history, dtype, config=None, seed=0, **kwargs):
-    layer, (key, value), mask = filled_layer(batch, heads, dim, n_history, dtype, seed=seed, **kwargs)
+def check_decode(batch, heads, groups, dim, n_history, dtype, config=None, seed=0, spike=None, **kwargs):
+    """``spike``: (position, factor): the key there is ``factor`` times the sum of its group's queries."""
     query = randn(batch, heads * groups, 1, dim, seed=seed + 1).to(dtype)
+    if spike is not None:
+        kwargs["spike"] = spike[0], spike[1] * query.float().reshape(batch, heads, groups, dim).sum(2)
+    layer, (key, value), mask = filled_layer(batch, heads, dim, n_history, dtype, seed=seed, **kwargs)
     got = decode(query, layer, mask, None, config)
     want = naive.attend(Attn(groups), query, key, value, mask, None)
     exact = fp32_reference(query, layer, mask, groups)
@@ -254,6 +261,25 @@ def test_decode_running_max_rises_along_one_split(dtype, dim):
     token of a pair row in its own columns."""
     config = DecodeConfig(block_n=32, min_split_bytes=1 << 30)
     check_decode(1, 1, 4, dim, 1000, dtype, config=config, key_ramp=24.0, pads=(5,))
+
+
+@pytest.mark.parametrize("factor, rises", [(1.5, (8, 64)), (12.0, (130, 1000))])
+def test_decode_a_key_far_above_the_running_max(factor, rises):
+    """One key mid-split (token 500 of one split's 1000, 32-token tiles, bf16) whose logit rises above the running
+    max of the tiles before it by more than the lazy rescaling's slack (8, log2 units), and by more than fp32's
+    range (130: the running max must move before that tile's weights); the rise is checked on the fp32 logits of
+    what the layer stores."""
+    config = DecodeConfig(block_n=32, min_split_bytes=1 << 30)
+    sink, position = 4, 500
+    check_decode(1, 2, 4, 128, 1000, torch.bfloat16, config=config, spike=(sink + position, factor))
+    query = randn(1, 8, 1, 128, seed=1).to(torch.bfloat16)
+    keys = factor * query.float().reshape(1, 2, 4, 128).sum(2)
+    layer, _, _ = filled_layer(1, 2, 128, 1000, torch.bfloat16, spike=(sink + position, keys))
+    history = layer.materialize("key", dtype=torch.float32)[:, :, sink:sink + 1000]
+    logits = torch.einsum("bhgd,bhnd->bhgn", query.float().reshape(1, 2, 4, 128), history) * 128**-0.5 / math.log(2)
+    before = logits[..., :position // 32 * 32].amax(-1)  # the running max of the tiles before the key's
+    rise = (logits[..., position] - before).amax().item()
+    assert rises[0] < rise < rises[1], rise
 
 
 @pytest.mark.parametrize("q_len, groups, dim, dtype, masked", [

@@ -348,6 +348,98 @@ def _mask_pairs(mask_row, stride_mq, stride_mt, tokens, pos0, hi, query, HAS_MAS
 
 
 @triton.jit
+def _tile_codes(kc, vc, n, hi, HW_K: tl.constexpr, HW_V: tl.constexpr, MASKED: tl.constexpr, PAIRED: tl.constexpr):
+    """The K code tile ``[rows, HW_K]`` and the V code tile transposed ``[HW_V, rows]`` of tile rows ``n`` (MASKED:
+    zeros past token ``hi``; else the tile is whole and nothing is checked)."""
+    k_col = tl.arange(0, HW_K)
+    v_col = tl.arange(0, HW_V)
+    if MASKED:
+        if PAIRED:
+            kh = tl.load(kc + n[:, None] * HW_K + k_col[None, :], mask=_tokens(n, k_col, HW_K // 2) < hi, other=0)
+            vh = tl.load(vc + n[None, :] * HW_V + v_col[:, None],
+                         mask=2 * n[None, :] + (v_col >= HW_V // 2)[:, None] < hi, other=0)
+        else:
+            kh = tl.load(kc + n[:, None] * HW_K + k_col[None, :], mask=(n < hi)[:, None], other=0)
+            vh = tl.load(vc + n[None, :] * HW_V + v_col[:, None], mask=(n < hi)[None, :], other=0)
+    else:
+        kh = tl.load(kc + n[:, None] * HW_K + k_col[None, :])
+        vh = tl.load(vc + n[None, :] * HW_V + v_col[:, None])
+    return kh, vh
+
+
+@triton.jit
+def _tile_logits(kh, meta, n, hi, mask_here, qts, qsums, q_offs, K_BITS: tl.constexpr, GROUP: tl.constexpr,
+                 W_K: tl.constexpr, DT: tl.constexpr, MAGIC_BITS: tl.constexpr, MANTISSA: tl.constexpr,
+                 FAST_UNPACK: tl.constexpr, FP32_DOT: tl.constexpr, HAS_MASK: tl.constexpr, MASKED: tl.constexpr,
+                 PAIRED: tl.constexpr):
+    """The logits ``[rows, BLOCK_G]`` of the K code tile ``kh`` of tile rows ``n``, in raw units (qk_scale goes
+    into exp2): ``s·(q·c) + z·Σq`` per group; -inf past token ``hi`` (MASKED) and where the mask bytes
+    ``mask_here`` are 0 (HAS_MASK)."""
+    ROWS: tl.constexpr = kh.shape[0]
+    BLOCK_G: tl.constexpr = qts[0].shape[1]
+    BYTES_K: tl.constexpr = W_K < 32 and not PAIRED
+    NB_K: tl.constexpr = 8 // K_BITS
+    NG: tl.constexpr = W_K * NB_K // GROUP
+    logits = tl.zeros([ROWS, BLOCK_G], tl.float32)
+    for g in tl.static_range(NG):
+        qk = tl.zeros([ROWS, BLOCK_G], tl.float32) + q_offs[g][None, :]
+        for P in tl.static_range(len(qts)):
+            if P % NB_K * W_K // GROUP == g:
+                kq = _unpack(kh, P, K_BITS, MANTISSA, DT, MAGIC_BITS, FAST_UNPACK, BYTES_K)
+                qk = _dot(kq, qts[P], qk, FP32_DOT)
+        logits = qk * _rows(meta[4 * g], PAIRED).to(tl.float32) + (
+            _rows(meta[4 * g + 1], PAIRED).to(tl.float32) * qsums[g][None, :] + logits)
+    if MASKED:
+        inside = _tokens(n, tl.arange(0, BLOCK_G), BLOCK_G // 2) < hi if PAIRED else (n < hi)[:, None]
+        logits = tl.where(inside, logits, float("-inf"))
+    if HAS_MASK:
+        logits = tl.where(mask_here != 0, logits, float("-inf"))
+    return logits
+
+
+@triton.jit
+def _tile_values(prob, meta, vh, den, pss, pzs, accs, V_BITS: tl.constexpr, GROUP: tl.constexpr,
+                 W_V: tl.constexpr, DT: tl.constexpr, MAGIC_BITS: tl.constexpr, MANTISSA: tl.constexpr,
+                 FAST_UNPACK: tl.constexpr, FP32_DOT: tl.constexpr, PAIRED: tl.constexpr):
+    """Adds a history tile's weights ``prob [rows, BLOCK_G]`` to den, per group Σ p·s and Σ p·(z + c̄·s), and the
+    outputs (V codesᵀ · (p·s) per position)."""
+    BYTES_V: tl.constexpr = W_V < 32 and not PAIRED
+    NB_V: tl.constexpr = 8 // V_BITS
+    NG: tl.constexpr = len(pss)
+    CENTER: tl.constexpr = ((1 << V_BITS) - 1) / 2
+    den += tl.sum(prob, axis=0)
+    new_pss = ()
+    new_pzs = ()
+    ps_groups = ()
+    for g in tl.static_range(NG):
+        s = _rows(meta[4 * g + 2], PAIRED).to(tl.float32)
+        mid = _rows(meta[4 * g + 3], PAIRED).to(tl.float32) + CENTER * s
+        ps = (prob * s).to(DT, fp_downcast_rounding="rtne")  # the rounding then weighs |code - CENTER|
+        new_pss = new_pss + (pss[g] + tl.sum(ps.to(tl.float32), axis=0),)
+        new_pzs = new_pzs + (pzs[g] + tl.sum(prob * mid, axis=0),)
+        ps_groups = ps_groups + (ps,)
+    new_accs = ()
+    for P in tl.static_range(len(accs)):
+        vq = _unpack(vh, P, V_BITS, MANTISSA, DT, MAGIC_BITS, FAST_UNPACK, BYTES_V)
+        new_accs = new_accs + (_dot(vq, ps_groups[P % NB_V * W_V // GROUP], accs[P], FP32_DOT),)
+    return den, new_pss, new_pzs, new_accs
+
+
+@triton.jit
+def _rescaled(alpha, den, pss, pzs, accs):
+    """The softmax state times ``alpha [BLOCK_G]`` (the running max moved)."""
+    new_pss = ()
+    new_pzs = ()
+    for g in tl.static_range(len(pss)):
+        new_pss = new_pss + (pss[g] * alpha,)
+        new_pzs = new_pzs + (pzs[g] * alpha,)
+    new_accs = ()
+    for P in tl.static_range(len(accs)):
+        new_accs = new_accs + (accs[P] * alpha[None, :],)
+    return den * alpha, new_pss, new_pzs, new_accs
+
+
+@triton.jit
 def _codes_tile(
     state, start, step, hi, pos0, kc, ks, kz, vc, vs, vz, mask_row, stride_mq, stride_mt, qk_scale, query,
     qts, qsums, q_offs, K_BITS: tl.constexpr, V_BITS: tl.constexpr, GROUP: tl.constexpr, W_K: tl.constexpr,
@@ -364,21 +456,14 @@ def _codes_tile(
     Lazy rescaling: the running max moves only when a tile's max exceeds it by more than SLACK (so p ≤ 2**SLACK);
     bf16 has the range for that, while fp16's p·s could overflow, so there it moves with every larger max."""
     HW_K: tl.constexpr = qts[0].shape[0]
-    BYTES_K: tl.constexpr = W_K < 32 and not PAIRED
     BYTES_V: tl.constexpr = W_V < 32 and not PAIRED
     HW_V: tl.constexpr = W_V if PAIRED or BYTES_V else W_V // 2
     BLOCK_G: tl.constexpr = qts[0].shape[1]
     ROWS: tl.constexpr = BLOCK_N // 2 if PAIRED else BLOCK_N
     NB_K: tl.constexpr = 8 // K_BITS
-    NB_V: tl.constexpr = 8 // V_BITS
-    NP_K: tl.constexpr = len(qts)
-    NP_V: tl.constexpr = NB_V if BYTES_V else 2 * NB_V
     NG: tl.constexpr = W_K * NB_K // GROUP
-    CENTER: tl.constexpr = ((1 << V_BITS) - 1) / 2
     SLACK: tl.constexpr = 8.0 if DT == tl.bfloat16 else 0.0
     m, den, pss, pzs, accs, meta, mask_here = state
-    k_col = tl.arange(0, HW_K)
-    v_col = tl.arange(0, HW_V)
     g_col = tl.arange(0, BLOCK_G)
     n = start // (BLOCK_N // ROWS) + tl.arange(0, ROWS)  # tile rows: tokens, or token pairs
     n_next = n + step // (BLOCK_N // ROWS)  # the program's next tile
@@ -392,67 +477,18 @@ def _codes_tile(
                                 HAS_MASK)
     else:
         mask_next = _mask_tile(mask_row, stride_mq, stride_mt, pos0 + n_next, n_next < hi, query, HAS_MASK, Q_LEN)
-    if MASKED:
-        if PAIRED:
-            inside = _tokens(n, g_col, BLOCK_G // 2) < hi
-            kh = tl.load(kc + n[:, None] * HW_K + k_col[None, :], mask=_tokens(n, k_col, HW_K // 2) < hi, other=0)
-            vh = tl.load(vc + n[None, :] * HW_V + v_col[:, None],
-                         mask=2 * n[None, :] + (v_col >= HW_V // 2)[:, None] < hi, other=0)
-        else:
-            live = n < hi
-            inside = live[:, None]
-            kh = tl.load(kc + n[:, None] * HW_K + k_col[None, :], mask=inside, other=0)  # [ROWS, HW_K]
-            vh = tl.load(vc + n[None, :] * HW_V + v_col[:, None], mask=live[None, :], other=0)  # [HW_V, ROWS]
-    else:
-        kh = tl.load(kc + n[:, None] * HW_K + k_col[None, :])
-        vh = tl.load(vc + n[None, :] * HW_V + v_col[:, None])
-    logits = tl.zeros([ROWS, BLOCK_G], tl.float32)  # raw units (qk_scale goes into exp2): s·(q·c) + z·Σq
-    for g in tl.static_range(NG):
-        qk = tl.zeros([ROWS, BLOCK_G], tl.float32) + q_offs[g][None, :]
-        for P in tl.static_range(NP_K):
-            if P % NB_K * W_K // GROUP == g:
-                kq = _unpack(kh, P, K_BITS, MANTISSA, DT, MAGIC_BITS, FAST_UNPACK, BYTES_K)
-                qk = _dot(kq, qts[P], qk, FP32_DOT)
-        logits = qk * _rows(meta[4 * g], PAIRED).to(tl.float32) + (
-            _rows(meta[4 * g + 1], PAIRED).to(tl.float32) * qsums[g][None, :] + logits)
-    if MASKED:
-        logits = tl.where(inside, logits, float("-inf"))
-    if HAS_MASK:
-        logits = tl.where(mask_here != 0, logits, float("-inf"))
+    kh, vh = _tile_codes(kc, vc, n, hi, HW_K, HW_V, MASKED, PAIRED)
+    logits = _tile_logits(kh, meta, n, hi, mask_here, qts, qsums, q_offs, K_BITS, GROUP, W_K, DT, MAGIC_BITS,
+                          MANTISSA, FAST_UNPACK, FP32_DOT, HAS_MASK, MASKED, PAIRED)
     tile_max = tl.max(logits, axis=0)
     if tl.max(tile_max - m, axis=0) * qk_scale > SLACK:  # rare once the running max has settled
         m_new = tl.maximum(m, tile_max)
-        alpha = tl.exp2((m - m_new) * qk_scale)
-        den = den * alpha
-        new_pss = ()
-        new_pzs = ()
-        for gr in tl.static_range(NG):
-            new_pss = new_pss + (pss[gr] * alpha,)
-            new_pzs = new_pzs + (pzs[gr] * alpha,)
-        pss = new_pss
-        pzs = new_pzs
-        new_accs = ()
-        for pr in tl.static_range(NP_V):
-            new_accs = new_accs + (accs[pr] * alpha[None, :],)
-        accs = new_accs
+        den, pss, pzs, accs = _rescaled(tl.exp2((m - m_new) * qk_scale), den, pss, pzs, accs)
         m = m_new
     prob = tl.exp2(logits * qk_scale - (m * qk_scale)[None, :])  # at most 2**SLACK
-    den += tl.sum(prob, axis=0)
-    new_pss = ()
-    new_pzs = ()
-    ps_groups = ()
-    for g in tl.static_range(NG):
-        s = _rows(meta[4 * g + 2], PAIRED).to(tl.float32)
-        mid = _rows(meta[4 * g + 3], PAIRED).to(tl.float32) + CENTER * s
-        ps = (prob * s).to(DT, fp_downcast_rounding="rtne")  # the rounding then weighs |code - CENTER|
-        new_pss = new_pss + (pss[g] + tl.sum(ps.to(tl.float32), axis=0),)
-        new_pzs = new_pzs + (pzs[g] + tl.sum(prob * mid, axis=0),)
-        ps_groups = ps_groups + (ps,)
-    new_accs = ()
-    for P in tl.static_range(NP_V):
-        vq = _unpack(vh, P, V_BITS, MANTISSA, DT, MAGIC_BITS, FAST_UNPACK, BYTES_V)
-        new_accs = new_accs + (_dot(vq, ps_groups[P % NB_V * W_V // GROUP], accs[P], FP32_DOT),)
-    return m, den, new_pss, new_pzs, new_accs, meta_next, mask_next
+    den, pss, pzs, accs = _tile_values(prob, meta, vh, den, pss, pzs, accs, V_BITS, GROUP, W_V, DT, MAGIC_BITS,
+                                       MANTISSA, FAST_UNPACK, FP32_DOT, PAIRED)
+    return m, den, pss, pzs, accs, meta_next, mask_next
 
 
 @triton.jit
