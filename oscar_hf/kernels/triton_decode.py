@@ -61,7 +61,10 @@ output gets ``μ_V`` times the history splits' share of the softmax weight.
 
 A program's query rows are its GQA heads times the query tokens (``r·Q_LEN + t``). The attention mask
 ``[B, 1, 1 or q, T]`` (True = attend) is read per key and query token and applied to the logits as ``-inf``, so
-left padding is exact; among the query tokens the window chunks are causal even without a mask. bf16 and fp16
+left padding is exact; a history tile whose keys are all attended (generate's all-ones mask) skips applying it (H100,
+with an all-ones mask: batch 1, 128K 37.2 → 36.8 µs, batch 32, 32K 249.8 → 247.9 µs, where no mask takes 35.8 and
+247.6; ``bench_decode-dev-runs/probe_mask_check.log``). Among the query tokens the window chunks are causal even
+without a mask. bf16 and fp16
 only: fp32 models (and the layouts of :func:`kernel_supports`' other cases) run ``naive.attend``.
 """
 
@@ -392,8 +395,9 @@ def _tile_logits(kh, meta, n, hi, mask_here, qts, qsums, q_offs, K_BITS: tl.cons
     if MASKED:
         inside = _tokens(n, tl.arange(0, BLOCK_G), BLOCK_G // 2) < hi if PAIRED else (n < hi)[:, None]
         logits = tl.where(inside, logits, float("-inf"))
-    if HAS_MASK:
-        logits = tl.where(mask_here != 0, logits, float("-inf"))
+    if HAS_MASK:  # a tile whose keys are all attended (every tile but those holding padding) skips the masking
+        if tl.min(tl.min(mask_here, axis=1), axis=0) == 0:
+            logits = tl.where(mask_here != 0, logits, float("-inf"))
     return logits
 
 
