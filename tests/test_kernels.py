@@ -192,7 +192,8 @@ TOLERANCE = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 
 
 def check_decode(batch, heads, groups, dim, n_history, dtype, config=None, seed=0, spike=None, **kwargs):
-    """``spike``: (position, factor): the key there is ``factor`` times the sum of its group's queries."""
+    """Checks ``decode`` on :func:`filled_layer` against naive.attend and fp32; returns the query and the layer.
+    ``spike``: (position, factor): the key there is ``factor`` times the sum of its group's queries."""
     query = randn(batch, heads * groups, 1, dim, seed=seed + 1).to(dtype)
     if spike is not None:
         kwargs["spike"] = spike[0], spike[1] * query.float().reshape(batch, heads, groups, dim).sum(2)
@@ -210,6 +211,7 @@ def check_decode(batch, heads, groups, dim, n_history, dtype, config=None, seed=
     rounding = torch.finfo(dtype).eps * (exact.abs().max().item() + 0.75 * step)
     assert err <= 2 * naive_err + rounding, (err, naive_err, rounding)
     torch.testing.assert_close(got.float(), want.float(), rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    return query, layer
 
 
 @pytest.mark.parametrize("dim, n_history", [(128, n) for n in (1, 7, 63, 64, 65, 300, 1000)]
@@ -271,10 +273,7 @@ def test_decode_a_key_far_above_the_running_max(factor, rises):
     what the layer stores."""
     config = DecodeConfig(block_n=32, min_split_bytes=1 << 30)
     sink, position = 4, 500
-    check_decode(1, 2, 4, 128, 1000, torch.bfloat16, config=config, spike=(sink + position, factor))
-    query = randn(1, 8, 1, 128, seed=1).to(torch.bfloat16)
-    keys = factor * query.float().reshape(1, 2, 4, 128).sum(2)
-    layer, _, _ = filled_layer(1, 2, 128, 1000, torch.bfloat16, spike=(sink + position, keys))
+    query, layer = check_decode(1, 2, 4, 128, 1000, torch.bfloat16, config=config, spike=(sink + position, factor))
     history = layer.materialize("key", dtype=torch.float32)[:, :, sink:sink + 1000]
     logits = torch.einsum("bhgd,bhnd->bhgn", query.float().reshape(1, 2, 4, 128), history) * 128**-0.5 / math.log(2)
     before = logits[..., :position // 32 * 32].amax(-1)  # the running max of the tiles before the key's
