@@ -34,11 +34,14 @@ one shift serves 3 (5) positions of 2-bit codes. With ``fast_unpack`` one ``lop3
 32-bit word of two halfwords): about 0.6 instructions per code. The ``1/f`` goes into q (exact: a power of two)
 and into the output's final scaling. Narrower rows (D = 64 at 2 bits: 16 bytes) are read two tokens to a tile
 row of W halfwords, the first token's in halfwords ``u < W/2``, where that leaves at most 16 columns: each query
-row gets two columns, the first reading the first token's halfwords (q is zero on the other half: a
-block-diagonal q), the second the second token's, each its own online softmax, merged at the end with the
+row gets two columns, the even one reading the first token's halfwords (q is zero on the other half: a
+block-diagonal q), the odd one the second token's, each its own online softmax, merged at the end with the
 output's diagonal blocks (the V dot's other blocks mix the tokens and are dropped). A GQA group of 4 then fills
 the 8 columns that one token per row would pad (H100, 32q/8kv: batch 8, 128K 62.8 → 73.8% of the copy
-bandwidth, batch 32, 32K 63.6 → 74.6%; ``bench_decode-dev-runs/probe_pairs.log``). With more query rows (a
+bandwidth, batch 32, 32K 63.6 → 74.6%; ``bench_decode-dev-runs/probe_pairs.log``). The columns alternate
+tokens, so which token a thread's accumulator register weighs is known at compile time (the tokens in the
+two halves of the columns cost selects per tile: batch 1, 128K 23.8 → 23.1 µs, batch 8, 32K 46.3 → 45.8 µs;
+``probe_d64_columns.log``). With more query rows (a
 verify step), such rows are read as bytes: position ``P = i`` is the byte tile shifted by ``i·bits`` (f = 1), two
 byte permutes per 4 codes. q is gathered per position the way K is, and the output scattered the way V is (K and V
 may have different bits). Scale and zero stay out of the element loop (per token and group):
@@ -304,10 +307,17 @@ def _tokens(n, col, HALF: tl.constexpr):
 
 
 @triton.jit
+def _column_tokens(n, BLOCK_G: tl.constexpr):
+    """Token of each element ``[rows, BLOCK_G]`` of a pair tile's logits: column ``2r + t`` is query row ``r`` over
+    token ``2n + t`` (a thread's accumulator registers alternate tokens, so which one a register holds is static)."""
+    return 2 * n[:, None] + (tl.arange(0, BLOCK_G) % 2)[None, :]
+
+
+@triton.jit
 def _meta(ks, kz, vs, vz, n, hi, NG: tl.constexpr, MASKED: tl.constexpr, PAIRED: tl.constexpr, BLOCK_G: tl.constexpr):
     """Raw (scale dtype) K scale, K zero, V scale, V zero of tile rows ``n`` (MASKED: of the tokens below ``hi``), per
     group: a tuple of 4·NG vectors ``[rows]``, or with PAIRED (row ``n`` = tokens ``2n``, ``2n + 1``) ``[rows,
-    BLOCK_G]``, the first token's value in the first BLOCK_G/2 columns. Each is read as one ``[rows, NG]`` (``2·NG``)
+    BLOCK_G]``, the first token's value in the even columns. Each is read as one ``[rows, NG]`` (``2·NG``)
     block of contiguous rows, so that the loop pipeliner streams it through shared memory as it does the codes (no
     register prefetch waiting in the loop)."""
     NGR: tl.constexpr = 2 * NG if PAIRED else NG
@@ -319,7 +329,7 @@ def _meta(ks, kz, vs, vz, n, hi, NG: tl.constexpr, MASKED: tl.constexpr, PAIRED:
                   tl.load(vs + offs, mask=live, other=0), tl.load(vz + offs, mask=live, other=0))
     else:
         blocks = (tl.load(ks + offs), tl.load(kz + offs), tl.load(vs + offs), tl.load(vz + offs))
-    second = tl.arange(0, BLOCK_G) >= BLOCK_G // 2
+    second = tl.arange(0, BLOCK_G) % 2 == 1
     out = ()
     for g in tl.static_range(NG):
         for i in tl.static_range(4):
@@ -393,7 +403,7 @@ def _tile_logits(kh, meta, n, hi, mask_here, qts, qsums, q_offs, K_BITS: tl.cons
         logits = qk * _rows(meta[4 * g], PAIRED).to(tl.float32) + (
             _rows(meta[4 * g + 1], PAIRED).to(tl.float32) * qsums[g][None, :] + logits)
     if MASKED:
-        inside = _tokens(n, tl.arange(0, BLOCK_G), BLOCK_G // 2) < hi if PAIRED else (n < hi)[:, None]
+        inside = _column_tokens(n, BLOCK_G) < hi if PAIRED else (n < hi)[:, None]
         logits = tl.where(inside, logits, float("-inf"))
     if HAS_MASK:  # a tile whose keys are all attended (every tile but those holding padding) skips the masking
         if tl.min(tl.min(mask_here, axis=1), axis=0) == 0:
@@ -468,7 +478,6 @@ def _codes_tile(
     NG: tl.constexpr = W_K * NB_K // GROUP
     SLACK: tl.constexpr = 8.0 if DT == tl.bfloat16 else 0.0
     m, den, pss, pzs, accs, meta, mask_here = state
-    g_col = tl.arange(0, BLOCK_G)
     n = start // (BLOCK_N // ROWS) + tl.arange(0, ROWS)  # tile rows: tokens, or token pairs
     n_next = n + step // (BLOCK_N // ROWS)  # the program's next tile
     if STREAM_META:
@@ -477,7 +486,7 @@ def _codes_tile(
     else:
         meta_next = _meta(ks, kz, vs, vz, n_next, hi, NG, True, PAIRED, BLOCK_G)
     if PAIRED:
-        mask_next = _mask_pairs(mask_row, stride_mq, stride_mt, _tokens(n_next, g_col, BLOCK_G // 2), pos0, hi, query,
+        mask_next = _mask_pairs(mask_row, stride_mq, stride_mt, _column_tokens(n_next, BLOCK_G), pos0, hi, query,
                                 HAS_MASK)
     else:
         mask_next = _mask_tile(mask_row, stride_mq, stride_mt, pos0 + n_next, n_next < hi, query, HAS_MASK, Q_LEN)
@@ -497,11 +506,11 @@ def _codes_tile(
 
 @triton.jit
 def _diagonal(x):
-    """The blocks ``x[:HW/2, :G/2] + x[HW/2:, G/2:]`` of ``x [HW, G]``: a pair tile's output, each token's half of
+    """The blocks ``x[:HW/2, 0::2] + x[HW/2:, 1::2]`` of ``x [HW, G]``: a pair tile's output, each token's half of
     the rows read by its own columns."""
     HW: tl.constexpr = x.shape[0]
     G: tl.constexpr = x.shape[1]
-    x = tl.permute(tl.reshape(x, [2, HW // 2, 2, G // 2]), [1, 3, 0, 2])  # [rows, columns, row half, column half]
+    x = tl.permute(tl.reshape(x, [2, HW // 2, G // 2, 2]), [1, 2, 0, 3])  # [rows, columns, row half, column token]
     first, second = tl.split(x)
     return tl.split(first)[0] + tl.split(second)[1]
 
@@ -518,8 +527,8 @@ def _attend_codes(
     MMA rows. ``kc``/``vc``: the codes as contiguous rows of ``HW`` halfwords: a token's ``W/2``, or PAIRED (``W < 32``:
     D = 64 at 2 bits) a pair's ``W``, a row holding tokens ``2n`` and ``2n + 1``; a constant row stride keeps short rows
     aligned for cp.async. ``qps``: q at K's positions, transposed, ``[HW_K, BLOCK_G]`` each (query rows as columns);
-    PAIRED, the first BLOCK_G/2 columns read the first token's halfwords (zeros in the others) and the rest the
-    second's, each column a softmax of its own, merged at the end. ``query [BLOCK_G]``: each column's query token, for
+    PAIRED, column ``2r + t`` of query row ``r`` reads token ``t``'s halfwords of a pair row (zeros in the others),
+    each column a softmax of its own, merged at the end. ``query [BLOCK_G]``: each column's query token, for
     the mask. Returns m, den ``[BLOCK_G]`` and the output at V's positions, transposed, ``[HW_V, BLOCK_G]`` each
     (PAIRED: ``[BLOCK_G/2]`` and ``[HW_V/2, BLOCK_G/2]``).
 
@@ -578,8 +587,8 @@ def _attend_codes(
     first = lo // (2 if PAIRED else 1) + tl.arange(0, BLOCK_N // 2 if PAIRED else BLOCK_N)  # the first tile's rows
     meta_next = () if STREAM_META else _meta(ks, kz, vs, vz, first, hi, NG, True, PAIRED, BLOCK_G)
     if PAIRED:
-        mask_next = _mask_pairs(mask_row, stride_mq, stride_mt, _tokens(first, tl.arange(0, BLOCK_G), BLOCK_G // 2),
-                                pos0, hi, query, HAS_MASK)
+        mask_next = _mask_pairs(mask_row, stride_mq, stride_mt, _column_tokens(first, BLOCK_G), pos0, hi, query,
+                                HAS_MASK)
     else:
         mask_next = _mask_tile(mask_row, stride_mq, stride_mt, pos0 + first, first < hi, query, HAS_MASK, Q_LEN)
     state = (m, den, pss, pzs, accs, meta_next, mask_next)
@@ -597,9 +606,9 @@ def _attend_codes(
     m, den, pss, pzs, accs, _, _ = state
     if PAIRED:  # each column's weight in its query row's softmax, whose max is that of the row's two columns
         HALF: tl.constexpr = BLOCK_G // 2
-        m_row = tl.max(tl.reshape(m, [2, HALF]), axis=0)
-        weight = tl.exp2((m - tl.reshape(tl.broadcast_to(m_row[None, :], [2, HALF]), [BLOCK_G])) * qk_scale)
-        den = tl.sum(tl.reshape(den * weight, [2, HALF]), axis=0)
+        m_row = tl.max(tl.reshape(m, [HALF, 2]), axis=1)
+        weight = tl.exp2((m - tl.reshape(tl.broadcast_to(m_row[:, None], [HALF, 2]), [BLOCK_G])) * qk_scale)
+        den = tl.sum(tl.reshape(den * weight, [HALF, 2]), axis=1)
         m = m_row
     out = ()
     for P in tl.static_range(NP_V):  # (acc - M·Σ p·s) / f + Σ p·(z + c̄·s) - c̄·Σ p·s
@@ -692,13 +701,13 @@ def _decode_stage1_kernel(
     win_splits = total_splits - hist_splits
     if split >= win_splits:  # history; query rows as columns: q and the output transposed, per halfword position
         cols = tl.arange(0, BLOCK_G)
-        heads = cols % (BLOCK_G // 2) if PAIRED else cols  # PAIRED: the second half of the columns repeats them
+        heads = cols // 2 if PAIRED else cols  # PAIRED: two columns per query row, one per token of a pair
         keep = heads < G_Q * Q_LEN
         q_cols = q_head + (heads // Q_LEN) * stride_qh + (heads % Q_LEN) * stride_qt
         k_col = tl.arange(0, HW_K)
         live = keep[None, :]
-        if PAIRED:  # block-diagonal: each half of the columns reads its token's half of a pair row
-            live = live & ((k_col >= HW_K // 2)[:, None] == (cols >= BLOCK_G // 2)[None, :])
+        if PAIRED:  # block-diagonal: a pair's second token's halfwords for the odd columns, its first's for the even
+            live = live & ((k_col >= HW_K // 2)[:, None] == (cols % 2 == 1)[None, :])
         qps = ()
         for P in tl.static_range(8 // K_BITS if BYTES_K else 16 // K_BITS):
             ch = _position(k_col, P, K_BITS, MANTISSA, W_K, BYTES_K)[1]
