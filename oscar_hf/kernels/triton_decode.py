@@ -41,10 +41,10 @@ the 8 columns that one token per row would pad (H100, 32q/8kv: batch 8, 128K 62.
 bandwidth, batch 32, 32K 63.6 → 74.6%; ``bench_decode-dev-runs/probe_pairs.log``). The columns alternate
 tokens, so which token a thread's accumulator register weighs is known at compile time (the tokens in the
 two halves of the columns cost selects per tile: batch 1, 128K 23.8 → 23.1 µs, batch 8, 32K 46.3 → 45.8 µs;
-``probe_d64_columns.log``). With more query rows (a
-verify step), such rows are read as bytes: position ``P = i`` is the byte tile shifted by ``i·bits`` (f = 1), two
-byte permutes per 4 codes. q is gathered per position the way K is, and the output scattered the way V is (K and V
-may have different bits). Scale and zero stay out of the element loop (per token and group):
+``probe_d64_columns.log``). With more query rows (a verify step), such rows are read as bytes: position
+``P = i`` is the byte tile shifted by ``i·bits`` (f = 1), two byte permutes per 4 codes. q is gathered per position
+the way K is, and the output scattered the way V is (K and V may have different bits). Scale and zero stay out of
+the element loop (per token and group):
 
 * K: the logit accumulator starts at ``-M·Σ(q/f)``, so the dots leave ``q·c`` and
   ``logit = s·(q·c) + z·Σq``;
@@ -67,8 +67,8 @@ A program's query rows are its GQA heads times the query tokens (``r·Q_LEN + t`
 left padding is exact; a history tile whose keys are all attended (generate's all-ones mask) skips applying it (H100,
 with an all-ones mask: batch 1, 128K 37.2 → 36.8 µs, batch 32, 32K 249.8 → 247.9 µs, where no mask takes 35.8 and
 247.6; ``bench_decode-dev-runs/probe_mask_check.log``). Among the query tokens the window chunks are causal even
-without a mask. bf16 and fp16
-only: fp32 models (and the layouts of :func:`kernel_supports`' other cases) run ``naive.attend``.
+without a mask. bf16 and fp16 only: fp32 models (and the layouts of :func:`kernel_supports`' other cases) run
+``naive.attend``.
 """
 
 from __future__ import annotations
