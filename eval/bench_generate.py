@@ -29,8 +29,9 @@ Methods (--methods):
   (``enable_gqa=True``) under the mask (``GQA_ATTENTION``), where transformers' sdpa attention copies K and V with
   the KV heads repeated whenever a mask is given, as a static cache's always is: a bf16 baseline without those
   copies (which SDPA backend runs it is up to torch);
-* ``quantized-quanto``, ``quantized-hqq``: ``QuantizedCache(backend, config=model.config, nbits=2)``, or
-  "not-installed" rows when the backend does not import.
+* ``quantized-quanto``, ``quantized-hqq``: ``QuantizedCache(backend, config=model.config, nbits=2)``, eager
+  (transformers cannot compile it), or "not-installed" rows when the backend does not import (``pip install -e
+  ".[baselines]"`` installs both).
 
 Decode, per (model, method, T, batch): a fresh cache is filled with T tokens of random bf16 K/V through each layer's
 ``cache.update`` in chunks (for OSCAR the real rotate, quantize and pack write path; ``fill_s``), then
