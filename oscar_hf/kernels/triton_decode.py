@@ -307,10 +307,16 @@ def _tokens(n, col, HALF: tl.constexpr):
 
 
 @triton.jit
+def _column_token(BLOCK_G: tl.constexpr):
+    """Which token of a pair row each of a pair tile's ``BLOCK_G`` columns reads: column ``2r + t`` is query row ``r``
+    over token ``t`` (a thread's accumulator registers alternate tokens, so which one a register holds is static)."""
+    return tl.arange(0, BLOCK_G) % 2
+
+
+@triton.jit
 def _column_tokens(n, BLOCK_G: tl.constexpr):
-    """Token of each element ``[rows, BLOCK_G]`` of a pair tile's logits: column ``2r + t`` is query row ``r`` over
-    token ``2n + t`` (a thread's accumulator registers alternate tokens, so which one a register holds is static)."""
-    return 2 * n[:, None] + (tl.arange(0, BLOCK_G) % 2)[None, :]
+    """Token of each element ``[rows, BLOCK_G]`` of a pair tile's logits (:func:`_column_token`)."""
+    return 2 * n[:, None] + _column_token(BLOCK_G)[None, :]
 
 
 @triton.jit
@@ -329,7 +335,7 @@ def _meta(ks, kz, vs, vz, n, hi, NG: tl.constexpr, MASKED: tl.constexpr, PAIRED:
                   tl.load(vs + offs, mask=live, other=0), tl.load(vz + offs, mask=live, other=0))
     else:
         blocks = (tl.load(ks + offs), tl.load(kz + offs), tl.load(vs + offs), tl.load(vz + offs))
-    second = tl.arange(0, BLOCK_G) % 2 == 1
+    second = _column_token(BLOCK_G) == 1
     out = ()
     for g in tl.static_range(NG):
         for i in tl.static_range(4):
@@ -707,7 +713,7 @@ def _decode_stage1_kernel(
         k_col = tl.arange(0, HW_K)
         live = keep[None, :]
         if PAIRED:  # block-diagonal: a pair's second token's halfwords for the odd columns, its first's for the even
-            live = live & ((k_col >= HW_K // 2)[:, None] == (cols % 2 == 1)[None, :])
+            live = live & ((k_col >= HW_K // 2)[:, None] == (_column_token(BLOCK_G) == 1)[None, :])
         qps = ()
         for P in tl.static_range(8 // K_BITS if BYTES_K else 16 // K_BITS):
             ch = _position(k_col, P, K_BITS, MANTISSA, W_K, BYTES_K)[1]
