@@ -78,7 +78,7 @@ def test_smoke_run_writes_every_row_with_finite_numbers(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_steady_tuning_timer_keeps_the_hosts_launch_time_out_of_the_timing(monkeypatch):
     """inductor's timer records its start event before the Python side of a call, so a call whose host side takes
-    100 µs times at least that; the steady timer has the GPU spin until the call is queued, and times the kernel."""
+    100 µs times most of that; the steady timer has the GPU spin until the call is queued, and times the kernel."""
     from torch._inductor.runtime import benchmarking
 
     timer = type(benchmarking.benchmarker)
@@ -94,7 +94,7 @@ def test_steady_tuning_timer_keeps_the_hosts_launch_time_out_of_the_timing(monke
     stock = benchmarking.benchmarker.benchmark_gpu(slow_host_call, rep=5)
     load_script().steady_tuning_timer()
     steady = benchmarking.benchmarker.benchmark_gpu(slow_host_call, rep=5)
-    assert stock > 0.08 and steady < 0.05, (stock, steady)
+    assert stock > 0.05 and steady < 0.03, (stock, steady)  # ms; inductor's L2 flush hides < 50 of the 100 µs
 
 
 def test_smoke_run_with_both_decodings(tmp_path):
