@@ -2,7 +2,8 @@
 
     PYTHONPATH=. python eval/bench_generate.py [--models M,..] [--methods X,..] [--lengths T,..] [--batches B,..]
                                                [--steps N] [--warmup W] [--budget-s S] [--kernels N]
-                                               [--decodings generate,overlapped] [--out DIR]
+                                               [--decodings generate,overlapped] [--tuning-timer steady|inductor]
+                                               [--out DIR]
     PYTHONPATH=. python eval/bench_generate.py --smoke [--device cpu]   # tiny random models, < 1 minute on a CPU
 
 Models: random-weight bf16 models of real shapes (Qwen3-8B, Llama-3.1-8B) built from their configs directly on the
