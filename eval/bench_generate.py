@@ -941,7 +941,8 @@ def main() -> None:
     if steady:
         steady_tuning_timer()
     env = {**environment(args.device), "inductor_pdl": inductor_config.triton.enable_pdl,
-           "inductor_cdt": inductor_config.coordinate_descent_tuning, "tuning_timer": TUNING_TIMERS[not steady]}
+           "inductor_cdt": inductor_config.coordinate_descent_tuning,
+           "tuning_timer": "steady" if steady else "inductor"}
     say(" ".join(f"{k}={v}" for k, v in env.items()))
     say(f"models={','.join(profile.models)} methods={','.join(args.methods)} lengths={profile.lengths} "
         f"batches={profile.batches} decodings={profile.decodings} steps={profile.steps} warmup={profile.warmup} "
