@@ -44,12 +44,14 @@ whether it did: "deferred", or "every step" for a cache that is not croppable or
 last prompt token, and the cache must go from T to T+N tokens. A logits processor records a CUDA event after every
 step. ``ms_per_step`` and ``decode_tok_s`` (batch x steps / seconds) come from the steps after the first ``warmup``
 decode steps; ``ms_per_step_median`` and ``ms_per_step_max`` are the median and the longest of those steps (a step
-the host launched late lengthens the mean, hardly the median). ``forward_ms`` (compiled methods): after generate,
-the compiled decode forward of its last step is called ``steps`` more times back to back with the same inputs (one
-CUDA graph replay each; every call stores one more token, so the caches are built with room for them): the decode
-step without generate's host work between steps (sampling, stopping criteria, input preparation). ``compile_s`` is
-what the warm-up steps took beyond as many timed steps (torch.compile and CUDA-graph capture for the compiled
-method); ``--kernels N`` then logs the forward's time by kernel (torch.profiler over 5 more replays: GPU time,
+the host launched late lengthens the mean, hardly the median), and the log lists the timed steps in order (OSCAR's
+demotions, every ``flush_tokens`` steps, show there). ``gc_ms``: host milliseconds of Python garbage collections
+during the timed steps (the log says after which step each ran). ``forward_ms`` (compiled methods): after
+generate, the compiled decode forward of its last step is called ``steps`` more times back to back with the same
+inputs (one CUDA graph replay each; every call stores one more token, so the caches are built with room for them):
+the decode step without generate's host work between steps (sampling, stopping criteria, input preparation).
+``compile_s`` is what the warm-up steps took beyond as many timed steps (torch.compile and CUDA-graph capture for the
+compiled method); ``--kernels N`` then logs the forward's time by kernel (torch.profiler over 5 more replays: GPU time,
 summed and on the critical path; on the CPU, self time by op). ``peak_mem_gb``:
 torch.cuda.max_memory_allocated during the generate call, i.e. weights + cache + decode working set
 (``base_mem_gb``: allocated before the cache). ``cache_gb``: the bytes of the cache's tensors after the call
@@ -89,6 +91,7 @@ clock-event (throttle) reasons as the replays end (``gpu_state``: ``sm_mhz``, ``
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import csv
 import functools
@@ -269,8 +272,8 @@ DECODINGS = {"generate": None, "overlapped": overlapped_sample}  # name: generat
 
 COLUMNS = ["model", "method", "kind", "T", "batch", "decoding", "prefill_s", "prefill_chunk", "decode_tok_s",
            "ms_per_step", "ms_per_step_median", "ms_per_step_max", "forward_ms", "compile_s", "fill_s", "generate_s",
-           "compiled", "graphs", "base_mem_gb", "peak_mem_gb", "cache_gb", "stop_check", *GPU_STATE, "status",
-           "prefill_status"]
+           "compiled", "graphs", "base_mem_gb", "peak_mem_gb", "cache_gb", "stop_check", "gc_ms", *GPU_STATE,
+           "status", "prefill_status"]
 TABLE = ["model", "method", "kind", "T", "batch", "decoding", "prefill_s", "decode_tok_s", "ms_per_step", "forward_ms",
          "compile_s", "peak_mem_gb", "cache_gb", "status"]
 LOG: list[str] = []
@@ -356,18 +359,19 @@ def timestamp(device: torch.device | None):
 
 
 def steady_tuning_timer() -> None:
-    """Make inductor time each candidate config it tunes (coordinate descent) the way the compiled forward runs it:
-    back to back on a busy GPU. Its own timer records the start event, then launches the call from Python (copies of
-    mutated arguments, a launch with PDL attributes), so the GPU idles in the timed window while the host works. On an
-    H100 one config of the down projection timed 45 µs in one process and 71 µs in the next (39 µs in the forward),
-    two processes tuned 19 of the forward's 21 kernels differently, and the same code's 128K forward took 7.38 to 8.17
-    ms in five processes (7.34 to 7.67 in three with L2 evicted by a read alone); with this timer the tuner's timings
-    of a config agree between processes within ±2.4% (10th to 90th percentile) and the forward took 7.06 to 7.16 ms
-    in three (``bench_generate-dev-runs/tuning_timer.log``). Each timed call waits behind a spin of
-    ``TUNING_LEAD_CYCLES`` (the host has queued it by then), after L2 is evicted by reading twice its size (clean
-    lines, as the forward's weight streams leave it); the fastest of ``TUNING_CALLS`` counts (session 25's runs timed
-    5 calls, then as many more as fit in inductor's 40 ms, at most 100). Calls with another ``return_mode`` or
-    ``quantiles`` keep inductor's timer."""
+    """Make inductor time each candidate config it tunes (coordinate descent) behind a GPU spin, after a read of twice
+    L2's size. With inductor's own timer (before each call it zero-fills a buffer of L2's size, leaving dirty lines;
+    the fastest of its calls counts) one config of an H100's down projection timed 45 µs in one process and 71 µs in
+    the next (39 µs in the forward), two processes tuned 19 of the forward's 21 kernels differently, and the same
+    code's 128K forward took 7.38 to 8.17 ms in five processes (7.34 to 7.67 in three with a read in place of its
+    zero-fill); with this timer the tuner's timings of a config agree between processes within ±2.4% (10th to 90th
+    percentile) and the forward took 7.06 to 7.16 ms in three (``bench_generate-dev-runs/tuning_timer.log``). Which
+    part of inductor's timing varies is not pinned down: its fastest call leaves out 100 µs of host work before a
+    tiny kernel (the GPU is still busy with its warm-up fills then; ``tests/test_bench_generate.py``). Each timed
+    call waits behind a spin of ``TUNING_LEAD_CYCLES`` (the host has queued it by then), after the read (clean lines,
+    as the forward's weight streams leave them); the fastest of ``TUNING_CALLS`` counts (session 25's runs timed 5
+    calls, then as many more as fit in 40 ms, at most 100). Calls with another ``return_mode`` or ``quantiles`` keep
+    inductor's timer."""
     from torch._inductor.runtime import benchmarking
 
     timer = type(benchmarking.benchmarker)
@@ -411,18 +415,19 @@ def compiled_graphs() -> int:
 
 
 class StepClock(LogitsProcessor):
-    """Passed to generate: after each forward pass, a timestamp and the number of compiled graphs so far, and
-    (on the device, without synchronizing) whether every score so far was below +inf, NaN excluded (-inf is how
-    other logits processors mask tokens)."""
+    """Passed to generate: after each forward pass, a timestamp, the host's clock and the number of compiled graphs
+    so far, and (on the device, without synchronizing) whether every score so far was below +inf, NaN excluded (-inf
+    is how other logits processors mask tokens)."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.marks, self.graphs = [], []
+        self.marks, self.graphs, self.host = [], [], []
         self.finite = torch.ones((), dtype=torch.bool, device=device)  # (device None: the CPU)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         self.finite &= (scores < math.inf).all().to(self.finite.device)
         self.marks.append(timestamp(self.device))
+        self.host.append(time.perf_counter())
         self.graphs.append(compiled_graphs())
         return scores
 
@@ -431,6 +436,26 @@ class StepClock(LogitsProcessor):
             raise RuntimeError(f"generate ran {len(self.marks)} steps instead of {steps}")
         if not self.finite.item():
             raise RuntimeError("NaN or +inf logits")
+
+
+class GcPauses:
+    """Python's garbage collections during a ``with`` block (``gc.callbacks``): ``(generation, host start, ms)``."""
+
+    def __init__(self):
+        self.pauses, self._start = [], 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], self._start, 1e3 * (time.perf_counter() - self._start)))
+
+    def __enter__(self) -> "GcPauses":
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self)
 
 
 class ForwardRecorder:
@@ -614,7 +639,7 @@ def measure_decode(model: torch.nn.Module, method: Method, length: int, batch: i
     # overlapped_sample's own rule for a cache that generate returns (the one passed in)
     deferred = DECODINGS[decoding] is overlapped_sample and deferred_stop_check().is_supported(
         ids.device, cache, cache_is_returned=True, is_assistant=False)
-    with recorded_forward(model, compiled) as recorder:
+    with recorded_forward(model, compiled) as recorder, GcPauses() as collections:
         start = timestamp(device)
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache),
                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
@@ -634,7 +659,14 @@ def measure_decode(model: torch.nn.Module, method: Method, length: int, batch: i
     timed_s = seconds(clock.marks[profile.warmup], clock.marks[-1])
     step_s = timed_s / profile.steps
     timed = clock.marks[profile.warmup:]
-    steps_ms = sorted(1e3 * seconds(a, b) for a, b in zip(timed, timed[1:]))
+    in_order = [1e3 * seconds(a, b) for a, b in zip(timed, timed[1:])]
+    steps_ms = sorted(in_order)
+    # collections that can delay a timed step: between the host's last warm-up mark and its last mark
+    pauses = [(generation, bisect.bisect(clock.host, begin), ms) for generation, begin, ms in collections.pauses
+              if clock.host[profile.warmup - 1] < begin < clock.host[-1]]
+    say(f"    steps {profile.warmup + 1} to {len(clock.marks) - 1} (ms): {' '.join(f'{ms:.3f}' for ms in in_order)}; "
+        "garbage collections meanwhile: "
+        + (", ".join(f"generation {g} {ms:.2f} ms after step {i - 1}" for g, i, ms in pauses) or "none"))
     result = {"decode_tok_s": batch * profile.steps / timed_s, "ms_per_step": 1e3 * step_s,
               "ms_per_step_median": statistics.median(steps_ms), "ms_per_step_max": steps_ms[-1],
               "forward_ms": forward_ms,
@@ -642,6 +674,7 @@ def measure_decode(model: torch.nn.Module, method: Method, length: int, batch: i
               "fill_s": fill_s, "generate_s": generate_s, "compiled": compiled,
               "graphs": clock.graphs[-1] - graphs, "cache_gb": cache_bytes(cache) / GIB,
               "stop_check": "deferred" if deferred else "every step",
+              "gc_ms": sum(ms for *_, ms in pauses),
               "base_mem_gb": base, "peak_mem_gb": peak, **clocks}
     if compiled_graphs() != clock.graphs[profile.warmup]:
         result["status"] = "error: torch.compile compiled during the timed steps or replays (raise --warmup)"
@@ -755,7 +788,7 @@ def prefill_cases(profile: Profile) -> list[tuple[int, int]]:
 
 
 DECODE_FIELDS = ("decode_tok_s", "ms_per_step", "ms_per_step_median", "ms_per_step_max", "forward_ms", "compile_s",
-                 "graphs", "fill_s", "peak_mem_gb", "cache_gb", *GPU_STATE, "status")
+                 "graphs", "fill_s", "peak_mem_gb", "cache_gb", "gc_ms", *GPU_STATE, "status")
 PREFILL_FIELDS = ("prefill_s", "prefill_chunk", "prefill_status")
 
 

@@ -41,7 +41,9 @@ def oscar_attention_forward(
         from .kernels.triton_decode import decode_on_device  # triton is imported on first use (TRITON_INTERPRET)
 
         layer = key.layer
-        out = decode_on_device(query, layer, attention_mask, scaling)  # it rotates q itself
+        rotated = layer.store_pending(query)  # the step's token, stored by a kernel that rotates q as well
+        out = decode_on_device(query if rotated is None else rotated, layer, attention_mask, scaling,
+                               query_rotated=rotated is not None)
         return layer.unrotate_values(out), None
     return _attend_on_host(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
 
@@ -50,6 +52,8 @@ def oscar_attention_forward(
 def _attend_on_host(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
     if isinstance(key, CapturedKV):
         return key.attend(module, query, value, attention_mask, scaling)
+    if isinstance(key, OscarKV):
+        key.layer.store_pending()
     if not isinstance(key, OscarKV):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs

@@ -17,8 +17,10 @@ Window buffers grow up to those sizes; the history grows in chunks of at least H
 With ``max_cache_len`` every buffer has its final size from the first update, the counts (sink, history, recent,
 ring start) live in an int32 device tensor, and, where the Triton kernels serve the layer, a decode step is
 two operators and a few torch ops (``graph_step``): no host synchronisation, one CUDA graph for the whole
-model step under ``torch.compile``. A graph step also keeps the counts it started from (``counts[4:8]``, -1 where
-host-side code changed the layer since), so that ``crop(-1)`` undoes it exactly.
+model step under ``torch.compile``. OscarQuantizedCache leaves a graph step's token to the attention function, whose
+append kernel stores it and rotates q in one launch (``store_pending``; the layer's next use stores a token that no
+attention took). A graph step also keeps the counts it started from (``counts[4:8]``, -1 where host-side code changed
+the layer since), so that ``crop(-1)`` undoes it exactly.
 
 Everything is stored rotated (``k @ R_K``, ``v @ R_V``). ``update`` returns :class:`OscarKV`
 handles instead of dense tensors; the attention function registered as ``"oscar"`` reads the
@@ -222,6 +224,7 @@ class OscarLayer(CacheLayerMixin):
         self.counts: list[int] | torch.Tensor = [0, 0, 0, 0]
         self.graph_step = False  # decode steps as device-only operators (set by lazy_initialization)
         self._last_update: _UpdateRecord | None = None  # what crop needs to take back the last host-side update
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # a graph step's K/V left to the attention
         self.defers_host_reads = False  # set by oscar_hf.generation.overlapped_sample (see get_seq_length)
 
     # A crop right after an update leaves no trace, as transformers' rollbacks need (a deferred stop check's extra
@@ -326,14 +329,21 @@ class OscarLayer(CacheLayerMixin):
         append operator with no host synchronisation (torch.compile traces it whole)."""
         return self.is_initialized and self.graph_step and key_states.shape[2] == 1
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[OscarKV, OscarKV]:
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, leave_to_attention: bool = False,
+               **kwargs) -> tuple[OscarKV, OscarKV]:
         """Rotate and store new K/V ``[B, H, n, D]``; return handles for the attention function (a graph step
-        rotates in its append kernel)."""
+        rotates in its append kernel). ``leave_to_attention`` (OscarQuantizedCache.update): a graph step's token is
+        stored by the attention function, whose append kernel then also rotates q (:meth:`store_pending`), or else
+        by the layer's next use."""
+        self.store_pending()
         if self.takes_graph_step(key_states):
-            from .kernels.triton_append import append
-
             self._last_update = None
-            append(self, key_states, value_states)
+            if leave_to_attention:
+                self._pending = (key_states, value_states)
+            else:
+                from .kernels.triton_append import append
+
+                append(self, key_states, value_states)
             return OscarKV(self, key_states, self.rotate_keys), OscarKV(self, value_states, self.rotate_values)
         self._check_room(key_states, value_states)
         new = {
@@ -355,8 +365,20 @@ class OscarLayer(CacheLayerMixin):
                 f"tokens after {length}: build it with a larger max_cache_len (prompt + max_new_tokens)"
             )
 
+    def store_pending(self, query: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Store the token a graph step left to the attention, if any (the append kernel); with the step's
+        ``query [B, Hq, 1, D]``, where R_K is not the identity, return it rotated by R_K in the same kernel, else
+        None (q unrotated)."""
+        if self._pending is None:
+            return None
+        from .kernels.triton_append import append
+
+        (key, value), self._pending = self._pending, None
+        return append(self, key, value, query if self.rotates_keys else None)
+
     def check_flags(self) -> None:
         """Raise what a static layer's device-side steps flagged (non-finite K/V, a scale overflow, a full cache)."""
+        self.store_pending()
         if self.counts_on_device and self.is_initialized:
             from .kernels.triton_write import raise_for_flags
 
@@ -483,6 +505,7 @@ class OscarLayer(CacheLayerMixin):
     def get_seq_length(self) -> int | torch.Tensor:
         """Tokens stored: an int, after raising what the device flagged; or a static layer's 0-d device tensor,
         without synchronising, inside a compiled region (no graph break) and while ``defers_host_reads``."""
+        self.store_pending()
         if self.counts_on_device and (torch.compiler.is_compiling() or self.defers_host_reads):
             return self.counts[:3].sum()
         self.check_flags()
@@ -503,7 +526,7 @@ class OscarLayer(CacheLayerMixin):
         return [t for segment in self._segments() for t in segment.tensors.values()]
 
     def reset(self) -> None:
-        self._last_update = None
+        self._last_update = self._pending = None
         if self.counts_on_device:  # in place: compiled graphs hold these addresses
             self.counts.zero_()
             self.counts[BEFORE_STEP] = -1
@@ -517,6 +540,7 @@ class OscarLayer(CacheLayerMixin):
         check calls it every step); ``crop(-1)`` right after a graph step undoes that step exactly, and a crop right
         after a host-side update of at most ``recent_tokens`` tokens leaves what that update's kept tokens alone would
         have left (see ``is_croppable``)."""
+        self.store_pending()
         tokens_to_remove = int(tokens_to_remove)
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative number of tokens to remove; got {tokens_to_remove}")
@@ -553,6 +577,7 @@ class OscarLayer(CacheLayerMixin):
         self.n_history, self.n_recent = start, cut
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.store_pending()
         self._last_update = None
         if self.counts_on_device:  # in place: compiled graphs hold these addresses
             for t in self._tensors():
@@ -562,11 +587,13 @@ class OscarLayer(CacheLayerMixin):
             segment.map(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        self.store_pending()
         self._last_update = None
         for segment in self._segments():
             segment.map(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.store_pending()
         self._last_update = None
         for segment in self._segments():
             segment.map(lambda t: t[indices])
@@ -587,6 +614,7 @@ class OscarLayer(CacheLayerMixin):
         """(bits of stored data, K and V elements stored) over the tokens in use."""
         if not self.is_initialized:
             return 0, 0
+        self.store_pending()
         used = (
             self.sink.used_bytes(self.n_sink)
             + self.history.used_bytes(self.n_history)
@@ -684,7 +712,7 @@ class OscarQuantizedCache(Cache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
         if isinstance(layer, OscarLayer) and layer.takes_graph_step(key_states):
-            return layer.update(key_states, value_states)
+            return layer.update(key_states, value_states, leave_to_attention=True)
         return self._update_on_host(key_states, value_states, layer_idx, *args, **kwargs)
 
     @torch.compiler.disable  # runs eagerly (a graph break) inside a compiled forward

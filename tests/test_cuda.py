@@ -211,3 +211,32 @@ def test_a_static_layers_decode_launches_only_its_three_stages(masked, sink_toke
     work = sorted(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
     assert len(work) == 3, work
     assert [any(stage in name for name in work) for stage in ("rotate_query", "stage1", "stage2")] == [True] * 3, work
+
+
+def test_a_step_left_to_the_attention_launches_the_append_and_two_stages():
+    """A static layer's step as OscarQuantizedCache.update and the attention function run it: the append kernel
+    (which rotates q as well), stage 1 and stage 2, and no other kernel."""
+    from oscar_hf import OscarConfig, OscarLayer
+    from oscar_hf.kernels.triton_decode import decode_on_device
+    from oscar_hf.rotations import hadamard_matrix
+
+    rotation = hadamard_matrix(128).float()
+    config = OscarConfig(backend="triton", sink_tokens=4, recent_tokens=8, flush_tokens=4)
+    layer = OscarLayer(config, rotation, rotation.T, max_cache_len=200)
+    kv = torch.randn(2, 1, 2, 100, 128, device="cuda").to(torch.bfloat16)
+    layer.update(kv[0], kv[1])
+    steps = [torch.randn(2, 1, 2, 1, 128, device="cuda").to(torch.bfloat16) for _ in range(2)]  # contiguous K/V
+    query = torch.randn(1, 8, 1, 128, device="cuda").to(torch.bfloat16)
+
+    def step(new):
+        layer.update(new[0], new[1], leave_to_attention=True)
+        return decode_on_device(layer.store_pending(query), layer, None, None, query_rotated=True)
+
+    step(steps[0])  # compiles
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step(steps[1])
+        torch.cuda.synchronize()
+    work = sorted(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    assert len(work) == 3, work
+    assert [any(stage in name for name in work) for stage in ("append_token", "stage1", "stage2")] == [True] * 3, work

@@ -643,6 +643,52 @@ def test_query_rotation_kernel_equals_the_rotate_gemm(dim, q_len, dtype):
     torch.testing.assert_close(got, rotate(query, rotation), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dim, group_q", [(64, 4), (128, 1), (128, 16)])
+def test_append_kernel_rotates_the_step_query_like_the_rotate_gemm(dim, group_q):
+    """A graph step left to the attention (as OscarQuantizedCache.update leaves it) is stored by the append kernel
+    that also rotates the step's query: q · R_K as ``cache.rotate`` computes it, bit for bit on exact sums, from the
+    strided q that attention receives (17 rows at a group of 16); the layer then holds what steps stored at once
+    hold, and the token is stored once."""
+    from oscar_hf.cache import rotate
+
+    config = dict(sink_tokens=2, recent_tokens=4, flush_tokens=2)
+    left, stored = (static_and_host_layers(dim, **config)[0] for _ in range(2))
+    kv = ((randn(2, 2, 2, 14, dim, seed=5) * 8).round() / 4).to(torch.bfloat16)
+    for layer in (left, stored):
+        layer.update(kv[0, :, :, :9], kv[1, :, :, :9])
+    for t in range(9, 14):
+        query = ((randn(2, 1, 2 * group_q, dim, seed=t) * 8).round() / 4).to(torch.bfloat16).transpose(1, 2)
+        left.update(kv[0, :, :, t : t + 1], kv[1, :, :, t : t + 1], leave_to_attention=True)
+        stored.update(kv[0, :, :, t : t + 1], kv[1, :, :, t : t + 1])
+        rotated = left.store_pending(query)
+        assert rotated.is_contiguous() and left.store_pending(query) is None
+        torch.testing.assert_close(rotated, rotate(query, left.key_rotation), rtol=0, atol=0)
+    assert left.counts.tolist() == stored.counts.tolist() and left.n_history > 0
+    for side in ("key", "value"):
+        assert torch.equal(left.materialize(side), stored.materialize(side))
+
+
+def test_a_token_left_to_the_attention_is_stored_by_the_layers_next_use():
+    """A token that no attention function stored (another consumer of the handles) is stored before the layer is
+    read or updated again."""
+    left, stored = (static_and_host_layers(64, sink_tokens=2, recent_tokens=4, flush_tokens=2)[0] for _ in range(2))
+    kv = ((randn(2, 1, 2, 9, 64, seed=6) * 8).round() / 4).to(torch.bfloat16)
+    for layer in (left, stored):
+        layer.update(kv[0, :, :, :6], kv[1, :, :, :6])
+    for t in range(6, 9):
+        stored.update(kv[0, :, :, t : t + 1], kv[1, :, :, t : t + 1])
+    left.update(kv[0, :, :, 6:7], kv[1, :, :, 6:7], leave_to_attention=True)
+    assert left.get_seq_length() == 7
+    left.update(kv[0, :, :, 7:8], kv[1, :, :, 7:8], leave_to_attention=True)
+    left.update(kv[0, :, :, 8:9], kv[1, :, :, 8:9])  # stores the token left before it first
+    assert left.get_seq_length() == 9 and left.counts.tolist() == stored.counts.tolist()
+    for side in ("key", "value"):
+        assert torch.equal(left.materialize(side), stored.materialize(side))
+    left.update(kv[0, :, :, 8:9], kv[1, :, :, 8:9], leave_to_attention=True)
+    left.reset()  # drops a token left pending
+    assert left.get_seq_length() == 0
+
+
 def test_graph_step_decode_equals_the_host_decode():
     """The decode operator (planned once for the capacities, counts and ring start read on the device; q rotated by
     its stage 0) gives the host launch's output over the same tokens, a left-padded row included."""

@@ -8,8 +8,12 @@ clipped, quantized and packed into the history, with the write kernel's tile cod
 
 The token is rotated in the kernel (``x @ R`` on the tensor cores from the model-dtype K or V and rotation, fp32
 sums rounded once to nearest even, as the GEMM of ``cache.rotate`` does up to the order of its sums), which saves
-the step a GEMM launch per rotated side. On sm_90 the kernel is launched early (programmatic dependent launch) and
-loads the rotations (from DRAM: the weights evict them from L2) while the kernel before it runs.
+the step a GEMM launch per rotated side. Given the step's query (:func:`append_token_rotating_query`, which the
+attention function calls through ``OscarLayer.store_pending``), each program puts its GQA group's query rows in the
+key's dot with R_K and writes them rotated, in place of the decode's stage 0 (H200, Qwen3-8B, 128K: the forward 5.56
+→ 5.48 ms). On sm_90 the kernel is launched early (programmatic dependent launch) and
+loads the rotations (from DRAM: the weights evict them from L2) while the kernel before it runs, and asks L2 for the
+ring rows of a demotion then; a demotion loads both sides' rows before it quantizes either.
 The recent window is a ring buffer of ``recent_tokens + flush_tokens`` rows starting at ``counts[3]``: demotion moves no
 data, and the new token never lands on a row being demoted. No host synchronisation: every program reads the counts, and
 the last one to arrive (an atomic count in ``flags[1]``, which it resets) writes them advanced, in place of a kernel of
@@ -26,36 +30,53 @@ import triton
 import triton.language as tl
 
 from . import has_pdl, on_device_of
-from .triton_decode import _dot, layer_tensors, to_nearest_even
+from .triton_decode import _dot, _prefetch_window, layer_tensors, to_nearest_even
 from .triton_write import FULL_FLAG, TL_DTYPES, _quantize_tile, _store_rows, kernel_clip_index
 
 FULL = tl.constexpr(FULL_FLAG)
 
 
 @triton.jit
-def _demote_side(
-    ring, stride_rn, start, codes, scale, zero, stride_cn, stride_zn, n_hist, mu, tiny,
-    CAP: tl.constexpr, FLUSH: tl.constexpr, BLOCK_F: tl.constexpr, CENTERED: tl.constexpr, CLIP_INDEX: tl.constexpr,
-    D: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr, SCALE_DT: tl.constexpr,
-):
-    """Quantize the FLUSH oldest ring rows of one (batch, head) and side into history rows ``n_hist ...``;
-    returns the write kernel's flag (0, 1 non-finite, 2 overflow)."""
+def _ring_rows(ring, stride_rn, start, mu, n_hist, CAP: tl.constexpr, FLUSH: tl.constexpr, BLOCK_F: tl.constexpr,
+               CENTERED: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """The FLUSH oldest ring rows of one (batch, head) and side, as the write kernel's channel sub-tiles (fp32
+    ``[BLOCK_F, D·BITS/8]`` each; rows past FLUSH zero), and their mean where the history is empty and CENTERED (the
+    first tokens to reach it set its means; else the stored means, or nothing)."""
     W: tl.constexpr = D * BITS // 8
     r = tl.arange(0, BLOCK_F)
     live = r < FLUSH
     slots = ((start + r) % CAP).to(tl.int64)
     xs = ()
-    for i in tl.static_range(8 // BITS):  # the write kernel's channel sub-tiles
+    centers = ()
+    for i in tl.static_range(8 // BITS):
         cols = i * W + tl.arange(0, W)
         x = tl.load(ring + slots[:, None] * stride_rn + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        xs = xs + (x,)
         if CENTERED:
-            if n_hist == 0:  # the first tokens to reach an empty history set its means
+            if n_hist == 0:
                 center = tl.sum(x, axis=0) / FLUSH
-                tl.store(mu + cols, center)
             else:
                 center = tl.load(mu + cols)
-            x = tl.where(live[:, None], x - center[None, :], 0.0)
-        xs = xs + (x,)
+            centers = centers + (center,)
+    return xs, centers
+
+
+@triton.jit
+def _demote_rows(xs, centers, codes, scale, zero, stride_cn, stride_zn, n_hist, mu, tiny, FLUSH: tl.constexpr,
+                 BLOCK_F: tl.constexpr, CENTERED: tl.constexpr, CLIP_INDEX: tl.constexpr, D: tl.constexpr,
+                 GROUP: tl.constexpr, BITS: tl.constexpr, SCALE_DT: tl.constexpr):
+    """:func:`_ring_rows`' rows, centered, clipped, quantized and packed into history rows ``n_hist ...`` (the means
+    stored where they set them); returns the write kernel's flag (0, 1 non-finite, 2 overflow)."""
+    W: tl.constexpr = D * BITS // 8
+    r = tl.arange(0, BLOCK_F)
+    live = r < FLUSH
+    if CENTERED:
+        centered = ()
+        for i in tl.static_range(len(xs)):
+            if n_hist == 0:
+                tl.store(mu + i * W + tl.arange(0, W), centers[i])
+            centered = centered + (tl.where(live[:, None], xs[i] - centers[i][None, :], 0.0),)
+        xs = centered
     packed, scales, zeros, flag = _quantize_tile(xs, tiny, CLIP_INDEX, GROUP, BITS, SCALE_DT)
     _store_rows(codes, scale, zero, (n_hist + r).to(tl.int64), stride_cn, stride_zn, live, packed, scales, zeros)
     return flag
@@ -99,6 +120,30 @@ def _token(x_ptr, r_ptr, blocks, D: tl.constexpr, ROTATE: tl.constexpr, FP32_DOT
 
 
 @triton.jit
+def _key_and_queries(x_ptr, q_ptr, stride_qh, q_out, r_ptr, blocks, D: tl.constexpr, G_Q: tl.constexpr,
+                     BLOCK_Q: tl.constexpr, FP32_DOT: tl.constexpr, CHUNK: tl.constexpr = 64):
+    """:func:`_token` of K with its GQA group's ``G_Q`` query rows (at ``q_ptr``, ``stride_qh`` apart) in the same
+    dot: ``[BLOCK_Q, D]`` rows k, q_0, ..., times R_K; the queries' rows go to ``q_out`` (contiguous), the key's is
+    returned."""
+    cols = tl.arange(0, D)
+    rows = tl.arange(0, BLOCK_Q)
+    is_q = (rows >= 1) & (rows <= G_Q)
+    acc = tl.zeros([BLOCK_Q, D], tl.float32)
+    for i in tl.static_range(0, D, CHUNK):
+        inner = i + tl.arange(0, CHUNK)
+        k = tl.load(x_ptr + rows[:, None] * 0 + inner[None, :], mask=rows[:, None] == 0, other=0.0)
+        q = tl.load(q_ptr + (rows[:, None] - 1) * stride_qh + inner[None, :], mask=is_q[:, None], other=0.0)
+        if len(blocks) > 0:
+            r = blocks[i // CHUNK]
+        else:
+            r = tl.load(r_ptr + inner[:, None] * D + cols[None, :])
+        acc = _dot(tl.where(rows[:, None] == 0, k, q), r, acc, FP32_DOT)
+    tl.store(q_out + (rows[:, None] - 1) * D + cols[None, :], to_nearest_even(acc, q_out.dtype.element_ty),
+             mask=is_q[:, None])
+    return to_nearest_even(tl.sum(tl.where(rows[:, None] == 0, acc, 0.0), axis=0), x_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _append_token_kernel(
     k_ptr, v_ptr, stride_nb, stride_nh,
     sk_ptr, sv_ptr, stride_sb, stride_sh, stride_sn,
@@ -106,27 +151,39 @@ def _append_token_kernel(
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, stride_kcb, stride_kch, stride_kcn, stride_vcb, stride_vch,
     stride_vcn, stride_zb, stride_zh, stride_zn,
     mu_k_ptr, mu_v_ptr, stride_mu_b, stride_mu_h, rot_k_ptr, rot_v_ptr,
+    q_ptr, stride_qb, stride_qh, q_out_ptr,
     counts_ptr, flag_ptr, tiny, H, max_len,
     SINK: tl.constexpr, LIMIT: tl.constexpr, CAP: tl.constexpr, FLUSH: tl.constexpr, BLOCK_F: tl.constexpr,
     CENTERED: tl.constexpr, K_CLIP_INDEX: tl.constexpr, V_CLIP_INDEX: tl.constexpr, D: tl.constexpr,
     GROUP: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, SCALE_DT: tl.constexpr,
     ROTATE_K: tl.constexpr, ROTATE_V: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr,
+    G_Q: tl.constexpr, BLOCK_Q: tl.constexpr,
 ):
     # grid (B·H,): one program per (batch, KV head). PDL: launched early, it loads the (constant) rotations while the
-    # kernel before runs, then waits for that kernel's K and V; the kernels after it launch when it exits, as they
-    # read what it writes (some before their own wait)
+    # kernel before runs, and asks L2 for the ring rows a demotion would take by the counts it finds then (a crop
+    # may change them until the wait); then it waits for that kernel's K and V. The kernels after it launch when it
+    # exits, as they read what it writes (some before their own wait)
     rot_k = _rotation(rot_k_ptr, D, ROTATE_K)
     rot_v = _rotation(rot_v_ptr, D, ROTATE_V)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
     bh = tl.program_id(0)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
+    ring = b * stride_rb + h * stride_rh
+    if PDL:
+        if (tl.load(counts_ptr) >= SINK) & (tl.load(counts_ptr + 2) == LIMIT):
+            _prefetch_window(rk_ptr + ring, rv_ptr + ring, 0, FLUSH, stride_rn, tl.load(counts_ptr + 3), CAP, BLOCK_F,
+                             D)
+        tl.extra.cuda.gdc_wait()
     n_sink = tl.load(counts_ptr)
     n_hist = tl.load(counts_ptr + 1)
     n_rec = tl.load(counts_ptr + 2)
     start = tl.load(counts_ptr + 3)
-    k = _token(k_ptr + b * stride_nb + h * stride_nh, rot_k_ptr, rot_k, D, ROTATE_K, FP32_DOT)
+    if G_Q > 0:  # and the GQA group's query rows, rotated by R_K in the same dot (q · R_K: the decode's stage 0)
+        k = _key_and_queries(k_ptr + b * stride_nb + h * stride_nh, q_ptr + b * stride_qb + h * G_Q * stride_qh,
+                             stride_qh, q_out_ptr + (b * H + h) * G_Q * D, rot_k_ptr, rot_k, D, G_Q, BLOCK_Q,
+                             FP32_DOT)
+    else:
+        k = _token(k_ptr + b * stride_nb + h * stride_nh, rot_k_ptr, rot_k, D, ROTATE_K, FP32_DOT)
     v = _token(v_ptr + b * stride_nb + h * stride_nh, rot_v_ptr, rot_v, D, ROTATE_V, FP32_DOT)
     # the counts after this token (as the branches below store it); the last program to arrive writes them
     room = n_sink + n_hist + n_rec < max_len
@@ -152,30 +209,67 @@ def _append_token_kernel(
         tl.store(sk_ptr + sink + cols, k)
         tl.store(sv_ptr + sink + cols, v)
     else:
-        ring = b * stride_rb + h * stride_rh
-        if n_rec == LIMIT:
+        if n_rec == LIMIT:  # both sides' rows are loaded before either is quantized (their latencies overlap)
             meta_off = b * stride_zb + h * stride_zh
             mu_off = b * stride_mu_b + h * stride_mu_h
-            k_flag = _demote_side(rk_ptr + ring, stride_rn, start, kc_ptr + b * stride_kcb + h * stride_kch,
-                                  ks_ptr + meta_off, kz_ptr + meta_off, stride_kcn, stride_zn, n_hist,
-                                  mu_k_ptr + mu_off, tiny, CAP, FLUSH, BLOCK_F, CENTERED, K_CLIP_INDEX, D, GROUP,
-                                  K_BITS, SCALE_DT)
-            v_flag = _demote_side(rv_ptr + ring, stride_rn, start, vc_ptr + b * stride_vcb + h * stride_vch,
-                                  vs_ptr + meta_off, vz_ptr + meta_off, stride_vcn, stride_zn, n_hist,
-                                  mu_v_ptr + mu_off, tiny, CAP, FLUSH, BLOCK_F, CENTERED, V_CLIP_INDEX, D, GROUP,
-                                  V_BITS, SCALE_DT)
-            flags = k_flag | (v_flag << 2)  # triton_write's layout: K's flags at bit 0, V's at bit 2
+            k_rows, k_centers = _ring_rows(rk_ptr + ring, stride_rn, start, mu_k_ptr + mu_off, n_hist, CAP, FLUSH,
+                                           BLOCK_F, CENTERED, D, K_BITS)
+            v_rows, v_centers = _ring_rows(rv_ptr + ring, stride_rn, start, mu_v_ptr + mu_off, n_hist, CAP, FLUSH,
+                                           BLOCK_F, CENTERED, D, V_BITS)
+            k_flag = _demote_rows(k_rows, k_centers, kc_ptr + b * stride_kcb + h * stride_kch, ks_ptr + meta_off,
+                                  kz_ptr + meta_off, stride_kcn, stride_zn, n_hist, mu_k_ptr + mu_off, tiny, FLUSH,
+                                  BLOCK_F, CENTERED, K_CLIP_INDEX, D, GROUP, K_BITS, SCALE_DT)
+            v_flag = _demote_rows(v_rows, v_centers, vc_ptr + b * stride_vcb + h * stride_vch, vs_ptr + meta_off,
+                                  vz_ptr + meta_off, stride_vcn, stride_zn, n_hist, mu_v_ptr + mu_off, tiny, FLUSH,
+                                  BLOCK_F, CENTERED, V_CLIP_INDEX, D, GROUP, V_BITS, SCALE_DT)
+            flags = k_flag | (v_flag << 2)  # triton_write's layout: K's flags at bit 0, V's at 2
             tl.atomic_or(flag_ptr, flags, mask=flags != 0)
-            start = start + FLUSH
-            n_rec = n_rec - FLUSH
+        # the new token's row is not one of those demoted (the ring has one more row than the window holds)
         slot = ((start + n_rec) % CAP).to(tl.int64)
         tl.store(rk_ptr + ring + slot * stride_rn + cols, k)
         tl.store(rv_ptr + ring + slot * stride_rn + cols, v)
 
 
-@torch.library.custom_op(
-    "oscar_hf::append_token", mutates_args=("windows", "history", "center", "counts", "flags")
-)
+def _launch(key, value, key_rotation, value_rotation, windows, history, center, counts, flags, max_len, sink_tokens,
+            limit, flush, key_bits, value_bits, group, k_clip_index, v_clip_index, query=None) -> torch.Tensor | None:
+    """The append kernel over the layer tensors of ``triton_decode.layer_tensors`` (the operators' arguments); with
+    ``query [B, Hq, 1, D]`` (and a ``key_rotation``) it also returns ``query @ key_rotation``, contiguous."""
+    batch, heads, _, d = key.shape
+    key, value = key.contiguous(), value.contiguous()
+    sink_k, sink_v, rec_k, rec_v = windows
+    kc, ks, kz, vc, vs, vz = history
+    mu = (*center, *center[0].stride()[:2]) if center else (key, key, 0, 0)
+    if query is None:
+        q, q_strides, q_out, group_q = key, (0, 0), key, 0
+    else:
+        q = query if query.stride(-1) == 1 else query.contiguous()
+        q_strides, q_out, group_q = q.stride()[:2], torch.empty_like(q, memory_format=torch.contiguous_format), \
+            q.shape[1] // heads
+    interpreting = triton.knobs.runtime.interpret
+    pdl = not interpreting and has_pdl(key.device)
+    with on_device_of(key):
+        _append_token_kernel[(batch * heads,)](
+            key, value, key.stride(0), key.stride(1),
+            sink_k, sink_v, *sink_k.stride()[:3],
+            rec_k, rec_v, *rec_k.stride()[:3],
+            kc, ks, kz, vc, vs, vz, *kc.stride()[:3], *vc.stride()[:3], *ks.stride()[:3],
+            *mu, *(key if r is None else r.contiguous() for r in (key_rotation, value_rotation)),
+            q, *q_strides, q_out,
+            counts, flags, torch.finfo(ks.dtype).tiny, heads, max_len,
+            SINK=sink_tokens, LIMIT=limit, CAP=rec_k.shape[2], FLUSH=flush,
+            BLOCK_F=triton.next_power_of_2(flush), CENTERED=bool(center),
+            K_CLIP_INDEX=k_clip_index, V_CLIP_INDEX=v_clip_index, D=d, GROUP=group, K_BITS=key_bits, V_BITS=value_bits,
+            SCALE_DT=TL_DTYPES[ks.dtype], ROTATE_K=key_rotation is not None, ROTATE_V=value_rotation is not None,
+            FP32_DOT=key.dtype == torch.bfloat16 and interpreting, PDL=pdl,
+            G_Q=group_q, BLOCK_Q=max(16, triton.next_power_of_2(group_q + 1)), num_warps=4, launch_pdl=pdl,
+        )
+    return None if query is None else q_out
+
+
+MUTATED = ("windows", "history", "center", "counts", "flags")
+
+
+@torch.library.custom_op("oscar_hf::append_token", mutates_args=MUTATED)
 def append_token(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -201,27 +295,8 @@ def append_token(
     ``[8]`` (sink, history, recent, ring start; then the same before this step); ``flags`` int32 ``[2]``: the error
     flags and the kernel's arrival count (zero between calls). An operator that torch.compile traces and CUDA graphs
     capture."""
-    batch, heads, _, d = key.shape
-    key, value = key.contiguous(), value.contiguous()
-    sink_k, sink_v, rec_k, rec_v = windows
-    kc, ks, kz, vc, vs, vz = history
-    mu = (*center, *center[0].stride()[:2]) if center else (key, key, 0, 0)
-    interpreting = triton.knobs.runtime.interpret
-    pdl = not interpreting and has_pdl(key.device)
-    with on_device_of(key):
-        _append_token_kernel[(batch * heads,)](
-            key, value, key.stride(0), key.stride(1),
-            sink_k, sink_v, *sink_k.stride()[:3],
-            rec_k, rec_v, *rec_k.stride()[:3],
-            kc, ks, kz, vc, vs, vz, *kc.stride()[:3], *vc.stride()[:3], *ks.stride()[:3],
-            *mu, *(key if r is None else r.contiguous() for r in (key_rotation, value_rotation)),
-            counts, flags, torch.finfo(ks.dtype).tiny, heads, max_len,
-            SINK=sink_tokens, LIMIT=limit, CAP=rec_k.shape[2], FLUSH=flush,
-            BLOCK_F=triton.next_power_of_2(flush), CENTERED=bool(center),
-            K_CLIP_INDEX=k_clip_index, V_CLIP_INDEX=v_clip_index, D=d, GROUP=group, K_BITS=key_bits, V_BITS=value_bits,
-            SCALE_DT=TL_DTYPES[ks.dtype], ROTATE_K=key_rotation is not None, ROTATE_V=value_rotation is not None,
-            FP32_DOT=key.dtype == torch.bfloat16 and interpreting, PDL=pdl, num_warps=4, launch_pdl=pdl,
-        )
+    _launch(key, value, key_rotation, value_rotation, windows, history, center, counts, flags, max_len, sink_tokens,
+            limit, flush, key_bits, value_bits, group, k_clip_index, v_clip_index)
 
 
 @append_token.register_fake
@@ -230,15 +305,54 @@ def _(key, value, key_rotation, value_rotation, windows, history, center, counts
     return None
 
 
-def append(layer, key: torch.Tensor, value: torch.Tensor) -> None:
+@torch.library.custom_op("oscar_hf::append_token_rotating_query", mutates_args=MUTATED)
+def append_token_rotating_query(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query: torch.Tensor,
+    key_rotation: torch.Tensor,
+    value_rotation: torch.Tensor | None,
+    windows: list[torch.Tensor],
+    history: list[torch.Tensor],
+    center: list[torch.Tensor],
+    counts: torch.Tensor,
+    flags: torch.Tensor,
+    max_len: int,
+    sink_tokens: int,
+    limit: int,
+    flush: int,
+    key_bits: int,
+    value_bits: int,
+    group: int,
+    k_clip_index: int,
+    v_clip_index: int,
+) -> torch.Tensor:
+    """:func:`append_token`, and the step's query ``[B, Hq, 1, D]`` times ``key_rotation``, returned contiguous: each
+    program's GQA group of query rows shares the key's dot (the decode then runs no stage 0)."""
+    return _launch(key, value, key_rotation, value_rotation, windows, history, center, counts, flags, max_len,
+                   sink_tokens, limit, flush, key_bits, value_bits, group, k_clip_index, v_clip_index, query=query)
+
+
+@append_token_rotating_query.register_fake
+def _(key, value, query, key_rotation, value_rotation, windows, history, center, counts, flags, max_len, sink_tokens,
+      limit, flush, key_bits, value_bits, group, k_clip_index, v_clip_index):
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+def append(layer, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor | None = None) -> torch.Tensor | None:
     """Rotate one token's K and V ``[B, H, 1, D]``, store them into a static OscarLayer and advance its counts, on
-    the device: the graph step's half of ``OscarLayer.update``."""
+    the device: the graph step's half of ``OscarLayer.update``. With the step's ``query [B, Hq, 1, D]`` (a layer
+    that rotates its keys) the same kernel returns it rotated by R_K as well."""
     cfg = layer.config
     windows, history, center = layer_tensors(layer)
     d = key.shape[-1]
-    torch.ops.oscar_hf.append_token(
-        key, value, layer.key_rotation if layer.rotates_keys else None,
-        layer.value_rotation if layer.rotates_values else None, windows, history, center, layer.counts, layer.flags,
-        layer.max_cache_len, cfg.sink_tokens, layer.recent_limit, cfg.flush_tokens, *cfg.side_bits.values(),
-        layer.group_size, kernel_clip_index(cfg.k_clip, d), kernel_clip_index(cfg.v_clip, d),
-    )
+    value_rotation = layer.value_rotation if layer.rotates_values else None
+    tail = (windows, history, center, layer.counts, layer.flags, layer.max_cache_len, cfg.sink_tokens,
+            layer.recent_limit, cfg.flush_tokens, *cfg.side_bits.values(), layer.group_size,
+            kernel_clip_index(cfg.k_clip, d), kernel_clip_index(cfg.v_clip, d))
+    if query is None:
+        key_rotation = layer.key_rotation if layer.rotates_keys else None
+        return torch.ops.oscar_hf.append_token(key, value, key_rotation, value_rotation, *tail)
+    if not layer.rotates_keys:
+        raise ValueError("append rotates a query only for a layer that rotates its keys")
+    return torch.ops.oscar_hf.append_token_rotating_query(key, value, query, layer.key_rotation, value_rotation, *tail)

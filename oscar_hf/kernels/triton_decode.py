@@ -3,9 +3,10 @@ the few newest ones (assisted decoding's verify step, causal among them).
 
 The pure-torch twin (and oracle) is :func:`oscar_hf.kernels.naive.attend`.
 
-Stage 0, in a static cache's graph step (:func:`decode_on_device`): q times R_K (:func:`rotate_query`, whose twin is
-``cache.rotate``), one small kernel that loads R before it waits for q, in place of a GEMM launched after the kernel
-that wrote q.
+Stage 0, in a static layer's graph step whose q comes unrotated (:func:`decode_on_device`): q times R_K
+(:func:`rotate_query`, whose twin is ``cache.rotate``), one small kernel that loads R before it waits for q, in place of
+a GEMM launched after the kernel that wrote q. OscarQuantizedCache's steps need none: the append kernel that stores the
+step's K/V rotates q too (``OscarLayer.store_pending``).
 
 Stage 1 (grid ``B·H × splits``): a program serves one KV head's whole GQA group (so each KV tile is loaded once per
 group) over one part of the sequence, with a one-pass online softmax in base 2, and writes a normalised partial output
@@ -1094,12 +1095,13 @@ def _(query, key_rotation, windows, history, center, attention_mask, counts, sca
     return query.new_empty(batch, 1, hq, d)
 
 
-def decode_on_device(query: torch.Tensor, layer, attention_mask: torch.Tensor | None, scaling: float | None
-                     ) -> torch.Tensor:
+def decode_on_device(query: torch.Tensor, layer, attention_mask: torch.Tensor | None, scaling: float | None,
+                     query_rotated: bool = False) -> torch.Tensor:
     """:func:`decode` of a static layer in its graph step: the operator, planned once for the layer's capacities.
-    ``query``: as the model computed it (post-RoPE, not rotated): the operator rotates it by the layer's R_K."""
+    ``query``: as the model computed it (post-RoPE), which the operator rotates by the layer's R_K, or already
+    rotated (``query_rotated``: by the append kernel, ``OscarLayer.store_pending``)."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    rotation = layer.key_rotation if layer.rotates_keys else None
+    rotation = layer.key_rotation if layer.rotates_keys and not query_rotated else None
     return torch.ops.oscar_hf.decode_attention(query, rotation, *layer_tensors(layer), attention_mask, layer.counts,
                                                scaling, *layer.config.side_bits.values(), layer.group_size,
                                                layer.decode_splits)
