@@ -54,6 +54,7 @@ def test_smoke_run_writes_every_row_with_finite_numbers(tmp_path):
         median, mean, longest = (float(row[k]) for k in ("ms_per_step_median", "ms_per_step", "ms_per_step_max"))
         assert median <= longest and mean <= longest * (1 + 1e-9), row
         assert float(row["compile_s"]) >= 0 and row["compiled"] == "False" and row["graphs"] == "0"
+        assert float(row["gc_ms"]) >= 0
         assert row["decoding"] == "generate" and row["stop_check"] == "every step"
         if (length, batch) in prefilled:
             assert row["prefill_status"] == "ok" and float(row["prefill_s"]) > 0 and row["prefill_chunk"] == "0"
@@ -200,7 +201,11 @@ def test_compiled_forward_is_replayed_without_generate(name, kernels, capsys):
     profiled = bench.KERNEL_CALLS if kernels else 0
     assert int(made[0].get_seq_length()) == generated + profile.steps + 1 + profiled
     assert not isinstance(model._compiled_call, bench.ForwardRecorder)
-    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("    ")]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("    ")]
+    steps = [line for line in lines if line.startswith("    steps ")]  # the timed steps in order, the GC pauses
+    assert len(steps) == 1 and steps[0].startswith(f"    steps {profile.warmup + 1} to {generated - 96 - 1} (ms): ")
+    assert len(steps[0].split(":")[1].split(";")[0].split()) == profile.steps and "garbage collections" in steps[0]
+    table = [line for line in lines if line not in steps]
     assert len(table) == (1 + kernels if kernels else 0), table
     if kernels:
         assert "CPU time per forward" in table[0] and all(" ms x" in line for line in table[1:])
