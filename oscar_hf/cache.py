@@ -76,8 +76,9 @@ class OscarKV:
     """What ``update`` hands to the attention function in place of K or V ``[B, H, T, D]``.
 
     ``new`` holds the rotated K (or V) of the tokens added by this update, at full precision; the rest of the
-    sequence is read from ``layer``. A graph step stores its token rotated by the append kernel and hands over the
-    token as given with its ``rotate``: ``new`` rotates it only if read (the device-side attention does not).
+    sequence is read from ``layer``. A graph step's token is stored rotated by the append kernel (at the update, or
+    by the attention function where OscarQuantizedCache leaves it pending), and the handle holds the token as given
+    with its ``rotate``: ``new`` rotates it only if read (the device-side attention does not).
     """
 
     __slots__ = ("layer", "_new", "_rotate")
