@@ -52,12 +52,11 @@ def oscar_attention_forward(
 def _attend_on_host(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
     if isinstance(key, CapturedKV):
         return key.attend(module, query, value, attention_mask, scaling)
-    if isinstance(key, OscarKV):
-        key.layer.store_pending()
     if not isinstance(key, OscarKV):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    key.layer.store_pending()
     for name, feature in UNSUPPORTED_KWARGS.items():
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"OscarQuantizedCache does not support {feature} ({name}=...)")

@@ -367,15 +367,15 @@ class OscarLayer(CacheLayerMixin):
             )
 
     def store_pending(self, query: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Store the token a graph step left to the attention, if any (the append kernel); with the step's
-        ``query [B, Hq, 1, D]``, where R_K is not the identity, return it rotated by R_K in the same kernel, else
-        None (q unrotated)."""
+        """Store the token a graph step left to the attention, if any (the append kernel); returns the step's
+        ``query [B, Hq, 1, D]`` rotated by R_K in the same kernel, or None (nothing pending, no query, or an identity
+        R_K: q stays as it is)."""
         if self._pending is None:
             return None
         from .kernels.triton_append import append
 
         (key, value), self._pending = self._pending, None
-        return append(self, key, value, query if self.rotates_keys else None)
+        return append(self, key, value, query)
 
     def check_flags(self) -> None:
         """Raise what a static layer's device-side steps flagged (non-finite K/V, a scale overflow, a full cache)."""

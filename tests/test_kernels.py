@@ -689,6 +689,18 @@ def test_a_token_left_to_the_attention_is_stored_by_the_layers_next_use():
     assert left.get_seq_length() == 0
 
 
+def test_a_layer_without_a_key_rotation_leaves_the_query_as_it_is():
+    """With R_K the identity the pending token is stored and no rotated query is returned (the decode reads q)."""
+    cfg = OscarConfig(backend="triton", sink_tokens=2, recent_tokens=4, flush_tokens=2)
+    layer = OscarLayer(cfg, torch.eye(64), torch.eye(64), max_cache_len=20)
+    kv = ((randn(2, 1, 2, 7, 64, seed=7) * 8).round() / 4).to(torch.bfloat16)
+    layer.update(kv[0, :, :, :6], kv[1, :, :, :6])
+    layer.update(kv[0, :, :, 6:], kv[1, :, :, 6:], leave_to_attention=True)
+    assert layer.store_pending(randn(1, 4, 1, 64, seed=8).to(torch.bfloat16)) is None
+    assert layer.counts.tolist()[:3] == [2, 0, 5]
+    torch.testing.assert_close(layer.materialize("key"), kv[0], rtol=0, atol=0)
+
+
 def test_graph_step_decode_equals_the_host_decode():
     """The decode operator (planned once for the capacities, counts and ring start read on the device; q rotated by
     its stage 0) gives the host launch's output over the same tokens, a left-padded row included."""

@@ -239,12 +239,11 @@ def _launch(key, value, key_rotation, value_rotation, windows, history, center, 
     sink_k, sink_v, rec_k, rec_v = windows
     kc, ks, kz, vc, vs, vz = history
     mu = (*center, *center[0].stride()[:2]) if center else (key, key, 0, 0)
-    if query is None:
-        q, q_strides, q_out, group_q = key, (0, 0), key, 0
-    else:
+    q = q_out = key  # placeholders without a query (G_Q = 0: never read)
+    if query is not None:
         q = query if query.stride(-1) == 1 else query.contiguous()
-        q_strides, q_out, group_q = q.stride()[:2], torch.empty_like(q, memory_format=torch.contiguous_format), \
-            q.shape[1] // heads
+        q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    group_q = 0 if query is None else q.shape[1] // heads
     interpreting = triton.knobs.runtime.interpret
     pdl = not interpreting and has_pdl(key.device)
     with on_device_of(key):
@@ -254,7 +253,7 @@ def _launch(key, value, key_rotation, value_rotation, windows, history, center, 
             rec_k, rec_v, *rec_k.stride()[:3],
             kc, ks, kz, vc, vs, vz, *kc.stride()[:3], *vc.stride()[:3], *ks.stride()[:3],
             *mu, *(key if r is None else r.contiguous() for r in (key_rotation, value_rotation)),
-            q, *q_strides, q_out,
+            q, *q.stride()[:2], q_out,
             counts, flags, torch.finfo(ks.dtype).tiny, heads, max_len,
             SINK=sink_tokens, LIMIT=limit, CAP=rec_k.shape[2], FLUSH=flush,
             BLOCK_F=triton.next_power_of_2(flush), CENTERED=bool(center),
@@ -341,8 +340,8 @@ def _(key, value, query, key_rotation, value_rotation, windows, history, center,
 
 def append(layer, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor | None = None) -> torch.Tensor | None:
     """Rotate one token's K and V ``[B, H, 1, D]``, store them into a static OscarLayer and advance its counts, on
-    the device: the graph step's half of ``OscarLayer.update``. With the step's ``query [B, Hq, 1, D]`` (a layer
-    that rotates its keys) the same kernel returns it rotated by R_K as well."""
+    the device: the graph step's half of ``OscarLayer.update``. Returns the step's ``query [B, Hq, 1, D]`` rotated by
+    R_K in the same kernel, or None without a query or where R_K is the identity (q then stays as it is)."""
     cfg = layer.config
     windows, history, center = layer_tensors(layer)
     d = key.shape[-1]
@@ -350,9 +349,7 @@ def append(layer, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor | 
     tail = (windows, history, center, layer.counts, layer.flags, layer.max_cache_len, cfg.sink_tokens,
             layer.recent_limit, cfg.flush_tokens, *cfg.side_bits.values(), layer.group_size,
             kernel_clip_index(cfg.k_clip, d), kernel_clip_index(cfg.v_clip, d))
-    if query is None:
+    if query is None or not layer.rotates_keys:
         key_rotation = layer.key_rotation if layer.rotates_keys else None
         return torch.ops.oscar_hf.append_token(key, value, key_rotation, value_rotation, *tail)
-    if not layer.rotates_keys:
-        raise ValueError("append rotates a query only for a layer that rotates its keys")
     return torch.ops.oscar_hf.append_token_rotating_query(key, value, query, layer.key_rotation, value_rotation, *tail)
