@@ -732,14 +732,17 @@ def test_graph_step_flags_a_full_cache_and_non_finite_rows():
     static.update(kv[0, :, :, 20:21], kv[1, :, :, 20:21])  # the 21st token: flagged on the device, not stored
     with pytest.raises(ValueError, match="full"):
         static.get_seq_length()
-    static.reset()
-    assert static.get_seq_length() == 0
-    kv[0, 0, 1, 3] = float("nan")  # stored by the first step, demoted by the third
-    static.update(kv[0, :, :, :3], kv[1, :, :, :3])
-    for t in range(3, 6):  # the NaN row reaches the history on a step
-        static.update(kv[0, :, :, t : t + 1], kv[1, :, :, t : t + 1])
-    with pytest.raises(ValueError, match="NaN"):
-        static.materialize("key")
+    for side, flag in ((0, 1), (1, 4)):  # K's and V's programs flag their own bits (triton_write's layout)
+        static.reset()
+        assert static.get_seq_length() == 0 and static.flags.tolist() == [0, 0]
+        bad = kv.clone()
+        bad[side, 0, 1, 3] = float("nan")  # stored by the first step, demoted by the third
+        static.update(bad[0, :, :, :3], bad[1, :, :, :3])
+        for t in range(3, 6):  # the NaN row reaches the history on a step
+            static.update(bad[0, :, :, t : t + 1], bad[1, :, :, t : t + 1])
+        assert static.flags.tolist() == [flag, 0]
+        with pytest.raises(ValueError, match="NaN"):
+            static.materialize("key")
 
 
 @pytest.mark.parametrize("prompt, steps", [(2, 0), (9, 0), (11, 0), (11, 9)],

@@ -9,11 +9,11 @@ clipped, quantized and packed into the history, with the write kernel's tile cod
 The token is rotated in the kernel (``x @ R`` on the tensor cores from the model-dtype K or V and rotation, fp32
 sums rounded once to nearest even, as the GEMM of ``cache.rotate`` does up to the order of its sums), which saves
 the step a GEMM launch per rotated side. Given the step's query (:func:`append_token_rotating_query`, which the
-attention function calls through ``OscarLayer.store_pending``), each program puts its GQA group's query rows in the
-key's dot with R_K and writes them rotated, in place of the decode's stage 0 (H200, Qwen3-8B, 128K: the forward 5.56
-→ 5.48 ms). On sm_90 the kernel is launched early (programmatic dependent launch) and
-loads the rotations (from DRAM: the weights evict them from L2) while the kernel before it runs, and asks L2 for the
-ring rows of a demotion then; a demotion loads both sides' rows before it quantizes either.
+attention function calls through ``OscarLayer.store_pending``), each K program puts its GQA group's query rows in
+the key's dot with R_K and writes them rotated, in place of the decode's stage 0 (H200, Qwen3-8B, 128K: the forward
+5.56 → 5.48 ms). K and V have a program each per (batch, head), so that their rotations and demotions run side by
+side. On sm_90 the kernel is launched early (programmatic dependent launch) and loads the rotations (from DRAM: the
+weights evict them from L2) while the kernel before it runs, and asks L2 for the ring rows of a demotion then.
 The recent window is a ring buffer of ``recent_tokens + flush_tokens`` rows starting at ``counts[3]``: demotion moves no
 data, and the new token never lands on a row being demoted. No host synchronisation: every program reads the counts, and
 the last one to arrive (an atomic count in ``flags[1]``, which it resets) writes them advanced, in place of a kernel of
@@ -144,6 +144,74 @@ def _key_and_queries(x_ptr, q_ptr, stride_qh, q_out, r_ptr, blocks, D: tl.conste
 
 
 @triton.jit
+def _append_side(
+    x_ptr, stride_nb, stride_nh, sink_ptr, stride_sb, stride_sh, stride_sn, ring_ptr, stride_rb, stride_rh, stride_rn,
+    codes_ptr, scale_ptr, zero_ptr, stride_cb, stride_ch, stride_cn, stride_zb, stride_zh, stride_zn,
+    mu_ptr, stride_mu_b, stride_mu_h, rot_ptr, q_ptr, stride_qb, stride_qh, q_out_ptr,
+    counts_ptr, flag_ptr, tiny, H, max_len,
+    SINK: tl.constexpr, LIMIT: tl.constexpr, CAP: tl.constexpr, FLUSH: tl.constexpr, BLOCK_F: tl.constexpr,
+    CENTERED: tl.constexpr, CLIP_INDEX: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
+    SCALE_DT: tl.constexpr, ROTATE: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr, G_Q: tl.constexpr,
+    BLOCK_Q: tl.constexpr, FLAG_SHIFT: tl.constexpr,
+):
+    """One side (K or V) of the token of (batch, head) ``tl.program_id(0)``: rotated (K with its GQA group's G_Q
+    query rows), stored into the sink or the ring, and, where the window is full, the side's FLUSH oldest ring rows
+    demoted into its history; the side's flags or-ed into ``flags[0]`` at bit FLAG_SHIFT."""
+    rot = _rotation(rot_ptr, D, ROTATE)
+    bh = tl.program_id(0)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    ring = ring_ptr + b * stride_rb + h * stride_rh
+    if PDL:
+        if (tl.load(counts_ptr) >= SINK) & (tl.load(counts_ptr + 2) == LIMIT):
+            _prefetch_window((ring,), 0, FLUSH, stride_rn, tl.load(counts_ptr + 3), CAP, BLOCK_F, D)
+        tl.extra.cuda.gdc_wait()
+    n_sink = tl.load(counts_ptr)
+    n_hist = tl.load(counts_ptr + 1)
+    n_rec = tl.load(counts_ptr + 2)
+    start = tl.load(counts_ptr + 3)
+    x_row = x_ptr + b * stride_nb + h * stride_nh
+    if G_Q > 0:  # the GQA group's query rows, rotated by R_K in the same dot (q · R_K: the decode's stage 0)
+        x = _key_and_queries(x_row, q_ptr + b * stride_qb + h * G_Q * stride_qh, stride_qh,
+                             q_out_ptr + (b * H + h) * G_Q * D, rot_ptr, rot, D, G_Q, BLOCK_Q, FP32_DOT)
+    else:
+        x = _token(x_row, rot_ptr, rot, D, ROTATE, FP32_DOT)
+    # the counts after this token (as the branches below store it); the last program to arrive writes them
+    room = n_sink + n_hist + n_rec < max_len
+    to_sink = room & (n_sink < SINK)
+    to_recent = room & (n_sink >= SINK)
+    demoted = tl.where(to_recent & (n_rec == LIMIT), FLUSH, 0)
+    arrived = tl.atomic_add(flag_ptr + 1, 1, sem="acq_rel")
+    if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:  # the others have read the counts
+        tl.store(counts_ptr, n_sink + to_sink.to(tl.int32))
+        tl.store(counts_ptr + 1, n_hist + demoted)
+        tl.store(counts_ptr + 2, n_rec + to_recent.to(tl.int32) - demoted)
+        tl.store(counts_ptr + 3, (start + demoted) % CAP)
+        tl.store(counts_ptr + 4, n_sink)  # the counts before this step: OscarLayer.crop(-1) restores them
+        tl.store(counts_ptr + 5, n_hist)
+        tl.store(counts_ptr + 6, n_rec)
+        tl.store(counts_ptr + 7, start)
+        tl.store(flag_ptr + 1, 0)
+    cols = tl.arange(0, D)
+    if not room:
+        if bh == 0:
+            tl.atomic_or(flag_ptr, FULL)
+    elif n_sink < SINK:
+        tl.store(sink_ptr + b * stride_sb + h * stride_sh + n_sink * stride_sn + cols, x)
+    else:
+        if n_rec == LIMIT:
+            mu = mu_ptr + b * stride_mu_b + h * stride_mu_h
+            rows, centers = _ring_rows(ring, stride_rn, start, mu, n_hist, CAP, FLUSH, BLOCK_F, CENTERED, D, BITS)
+            meta = b * stride_zb + h * stride_zh
+            flag = _demote_rows(rows, centers, codes_ptr + b * stride_cb + h * stride_ch, scale_ptr + meta,
+                                zero_ptr + meta, stride_cn, stride_zn, n_hist, mu, tiny, FLUSH, BLOCK_F, CENTERED,
+                                CLIP_INDEX, D, GROUP, BITS, SCALE_DT)
+            tl.atomic_or(flag_ptr, flag << FLAG_SHIFT, mask=flag != 0)
+        # the new token's row is not one of those demoted (the ring has one more row than the window holds)
+        tl.store(ring + ((start + n_rec) % CAP).to(tl.int64) * stride_rn + cols, x)
+
+
+@triton.jit
 def _append_token_kernel(
     k_ptr, v_ptr, stride_nb, stride_nh,
     sk_ptr, sv_ptr, stride_sb, stride_sh, stride_sn,
@@ -159,75 +227,26 @@ def _append_token_kernel(
     ROTATE_K: tl.constexpr, ROTATE_V: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr,
     G_Q: tl.constexpr, BLOCK_Q: tl.constexpr,
 ):
-    # grid (B·H,): one program per (batch, KV head). PDL: launched early, it loads the (constant) rotations while the
-    # kernel before runs, and asks L2 for the ring rows a demotion would take by the counts it finds then (a crop
-    # may change them until the wait); then it waits for that kernel's K and V. The kernels after it launch when it
-    # exits, as they read what it writes (some before their own wait)
-    rot_k = _rotation(rot_k_ptr, D, ROTATE_K)
-    rot_v = _rotation(rot_v_ptr, D, ROTATE_V)
-    bh = tl.program_id(0)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    ring = b * stride_rb + h * stride_rh
-    if PDL:
-        if (tl.load(counts_ptr) >= SINK) & (tl.load(counts_ptr + 2) == LIMIT):
-            _prefetch_window(rk_ptr + ring, rv_ptr + ring, 0, FLUSH, stride_rn, tl.load(counts_ptr + 3), CAP, BLOCK_F,
-                             D)
-        tl.extra.cuda.gdc_wait()
-    n_sink = tl.load(counts_ptr)
-    n_hist = tl.load(counts_ptr + 1)
-    n_rec = tl.load(counts_ptr + 2)
-    start = tl.load(counts_ptr + 3)
-    if G_Q > 0:  # and the GQA group's query rows, rotated by R_K in the same dot (q · R_K: the decode's stage 0)
-        k = _key_and_queries(k_ptr + b * stride_nb + h * stride_nh, q_ptr + b * stride_qb + h * G_Q * stride_qh,
-                             stride_qh, q_out_ptr + (b * H + h) * G_Q * D, rot_k_ptr, rot_k, D, G_Q, BLOCK_Q,
-                             FP32_DOT)
-    else:
-        k = _token(k_ptr + b * stride_nb + h * stride_nh, rot_k_ptr, rot_k, D, ROTATE_K, FP32_DOT)
-    v = _token(v_ptr + b * stride_nb + h * stride_nh, rot_v_ptr, rot_v, D, ROTATE_V, FP32_DOT)
-    # the counts after this token (as the branches below store it); the last program to arrive writes them
-    room = n_sink + n_hist + n_rec < max_len
-    to_sink = room & (n_sink < SINK)
-    to_recent = room & (n_sink >= SINK)
-    demoted = tl.where(to_recent & (n_rec == LIMIT), FLUSH, 0)
-    if tl.atomic_add(flag_ptr + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:  # the others have read the counts
-        tl.store(counts_ptr, n_sink + to_sink.to(tl.int32))
-        tl.store(counts_ptr + 1, n_hist + demoted)
-        tl.store(counts_ptr + 2, n_rec + to_recent.to(tl.int32) - demoted)
-        tl.store(counts_ptr + 3, (start + demoted) % CAP)
-        tl.store(counts_ptr + 4, n_sink)  # the counts before this step: OscarLayer.crop(-1) restores them
-        tl.store(counts_ptr + 5, n_hist)
-        tl.store(counts_ptr + 6, n_rec)
-        tl.store(counts_ptr + 7, start)
-        tl.store(flag_ptr + 1, 0)
-    cols = tl.arange(0, D)
-    if not room:
-        if bh == 0:
-            tl.atomic_or(flag_ptr, FULL)
-    elif n_sink < SINK:
-        sink = b * stride_sb + h * stride_sh + n_sink * stride_sn
-        tl.store(sk_ptr + sink + cols, k)
-        tl.store(sv_ptr + sink + cols, v)
-    else:
-        if n_rec == LIMIT:  # both sides' rows are loaded before either is quantized (their latencies overlap)
-            meta_off = b * stride_zb + h * stride_zh
-            mu_off = b * stride_mu_b + h * stride_mu_h
-            k_rows, k_centers = _ring_rows(rk_ptr + ring, stride_rn, start, mu_k_ptr + mu_off, n_hist, CAP, FLUSH,
-                                           BLOCK_F, CENTERED, D, K_BITS)
-            v_rows, v_centers = _ring_rows(rv_ptr + ring, stride_rn, start, mu_v_ptr + mu_off, n_hist, CAP, FLUSH,
-                                           BLOCK_F, CENTERED, D, V_BITS)
-            k_flag = _demote_rows(k_rows, k_centers, kc_ptr + b * stride_kcb + h * stride_kch, ks_ptr + meta_off,
-                                  kz_ptr + meta_off, stride_kcn, stride_zn, n_hist, mu_k_ptr + mu_off, tiny, FLUSH,
-                                  BLOCK_F, CENTERED, K_CLIP_INDEX, D, GROUP, K_BITS, SCALE_DT)
-            v_flag = _demote_rows(v_rows, v_centers, vc_ptr + b * stride_vcb + h * stride_vch, vs_ptr + meta_off,
-                                  vz_ptr + meta_off, stride_vcn, stride_zn, n_hist, mu_v_ptr + mu_off, tiny, FLUSH,
-                                  BLOCK_F, CENTERED, V_CLIP_INDEX, D, GROUP, V_BITS, SCALE_DT)
-            flags = k_flag | (v_flag << 2)  # triton_write's layout: K's flags at bit 0, V's at 2
-            tl.atomic_or(flag_ptr, flags, mask=flags != 0)
-        # the new token's row is not one of those demoted (the ring has one more row than the window holds)
-        slot = ((start + n_rec) % CAP).to(tl.int64)
-        tl.store(rk_ptr + ring + slot * stride_rn + cols, k)
-        tl.store(rv_ptr + ring + slot * stride_rn + cols, v)
+    # grid (B·H, 2): a program per (batch, KV head) and side, K (with the query rows) or V, so that the two sides'
+    # rotations and demotions run side by side (a demotion step's append was their sum), of 8 warps (the demotion's
+    # clip rounds: H200, Qwen3-8B's heads, eager launches, a demotion step 12.9 µs with one 4-warp program per head,
+    # 8.1 with 4 warps per side, 6.5 with 8; other steps 6.3, 4.5, 4.1 µs). PDL: launched early, a
+    # program loads its (constant) rotation while the kernel before runs, and asks L2 for the ring rows a demotion
+    # would take by the counts it finds then (a crop may change them until the wait); then it waits for that
+    # kernel's K and V. The kernels after it launch when it exits, as they read what it writes (some before their
+    # own wait)
+    if tl.program_id(1) == 0:
+        _append_side(k_ptr, stride_nb, stride_nh, sk_ptr, stride_sb, stride_sh, stride_sn, rk_ptr, stride_rb,
+                     stride_rh, stride_rn, kc_ptr, ks_ptr, kz_ptr, stride_kcb, stride_kch, stride_kcn, stride_zb,
+                     stride_zh, stride_zn, mu_k_ptr, stride_mu_b, stride_mu_h, rot_k_ptr, q_ptr, stride_qb, stride_qh,
+                     q_out_ptr, counts_ptr, flag_ptr, tiny, H, max_len, SINK, LIMIT, CAP, FLUSH, BLOCK_F, CENTERED,
+                     K_CLIP_INDEX, D, GROUP, K_BITS, SCALE_DT, ROTATE_K, FP32_DOT, PDL, G_Q, BLOCK_Q, 0)
+    else:  # triton_write's flag layout: K's flags at bit 0, V's at 2
+        _append_side(v_ptr, stride_nb, stride_nh, sv_ptr, stride_sb, stride_sh, stride_sn, rv_ptr, stride_rb,
+                     stride_rh, stride_rn, vc_ptr, vs_ptr, vz_ptr, stride_vcb, stride_vch, stride_vcn, stride_zb,
+                     stride_zh, stride_zn, mu_v_ptr, stride_mu_b, stride_mu_h, rot_v_ptr, q_ptr, stride_qb, stride_qh,
+                     q_out_ptr, counts_ptr, flag_ptr, tiny, H, max_len, SINK, LIMIT, CAP, FLUSH, BLOCK_F, CENTERED,
+                     V_CLIP_INDEX, D, GROUP, V_BITS, SCALE_DT, ROTATE_V, FP32_DOT, PDL, 0, BLOCK_Q, 2)
 
 
 def _launch(key, value, key_rotation, value_rotation, windows, history, center, counts, flags, max_len, sink_tokens,
@@ -247,7 +266,7 @@ def _launch(key, value, key_rotation, value_rotation, windows, history, center, 
     interpreting = triton.knobs.runtime.interpret
     pdl = not interpreting and has_pdl(key.device)
     with on_device_of(key):
-        _append_token_kernel[(batch * heads,)](
+        _append_token_kernel[(batch * heads, 2)](
             key, value, key.stride(0), key.stride(1),
             sink_k, sink_v, *sink_k.stride()[:3],
             rec_k, rec_v, *rec_k.stride()[:3],
@@ -260,7 +279,7 @@ def _launch(key, value, key_rotation, value_rotation, windows, history, center, 
             K_CLIP_INDEX=k_clip_index, V_CLIP_INDEX=v_clip_index, D=d, GROUP=group, K_BITS=key_bits, V_BITS=value_bits,
             SCALE_DT=TL_DTYPES[ks.dtype], ROTATE_K=key_rotation is not None, ROTATE_V=value_rotation is not None,
             FP32_DOT=key.dtype == torch.bfloat16 and interpreting, PDL=pdl,
-            G_Q=group_q, BLOCK_Q=max(16, triton.next_power_of_2(group_q + 1)), num_warps=4, launch_pdl=pdl,
+            G_Q=group_q, BLOCK_Q=max(16, triton.next_power_of_2(group_q + 1)), num_warps=8, launch_pdl=pdl,
         )
     return None if query is None else q_out
 

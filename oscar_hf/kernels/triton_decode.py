@@ -289,15 +289,17 @@ def _mask_tile(mask_row, stride_mq, stride_mt, pos, live, query, HAS_MASK: tl.co
 
 
 @triton.jit
-def _prefetch_window(k, v, lo, hi, stride_n, ring_start, ring_cap, ROWS: tl.constexpr, D: tl.constexpr):
-    """Ask L2 for the 128-byte lines of the K and V rows of window tokens ``[lo, hi)`` (at most ROWS): a window
-    chunk's loads are few and dependent, and wait behind the history's stream when they go to DRAM."""
-    ELEMS: tl.constexpr = 1024 // k.dtype.element_ty.primitive_bitwidth  # elements per line
+def _prefetch_window(bases, lo, hi, stride_n, ring_start, ring_cap, ROWS: tl.constexpr, D: tl.constexpr):
+    """Ask L2 for the 128-byte lines of the window rows of tokens ``[lo, hi)`` (at most ROWS) of each tensor in
+    ``bases`` (K's and V's): a window chunk's loads are few and dependent, and wait behind the history's stream when
+    they go to DRAM."""
+    ELEMS: tl.constexpr = 1024 // bases[0].dtype.element_ty.primitive_bitwidth  # elements per line
     n = lo + tl.arange(0, ROWS)
     row = ((ring_start + tl.minimum(n, tl.maximum(hi - 1, lo))) % ring_cap).to(tl.int64) * stride_n
     offs = row[:, None] + tl.arange(0, D // ELEMS)[None, :] * ELEMS
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; prefetch.global.L2 [$2]; mov.u32 $0, 0;", "=r,l,l",
-                              [k + offs, v + offs], dtype=tl.int32, is_pure=False, pack=1)
+    for i in tl.static_range(len(bases)):
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [bases[i] + offs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -764,7 +766,7 @@ def _window_split(
     normalised partial output and log-sum-exp. ``last``: the position of the last key before the query tokens."""
     NSUB: tl.constexpr = D // W
     if PREFETCH:
-        _prefetch_window(k, v, lo, hi, stride_n, ring_start, ring_cap, WINDOW_TILES * BLOCK_W, D)
+        _prefetch_window((k, v), lo, hi, stride_n, ring_start, ring_cap, WINDOW_TILES * BLOCK_W, D)
     rows = tl.arange(0, BLOCK_H)
     cols = tl.arange(0, W)
     keep = rows < G_Q * Q_LEN
