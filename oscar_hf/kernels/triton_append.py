@@ -176,7 +176,8 @@ def _append_side(
                              q_out_ptr + (b * H + h) * G_Q * D, rot_ptr, rot, D, G_Q, BLOCK_Q, FP32_DOT)
     else:
         x = _token(x_row, rot_ptr, rot, D, ROTATE, FP32_DOT)
-    # the counts after this token (as the branches below store it); the last program to arrive writes them
+    # the counts after this token (as the branches below store it); the last program to arrive writes them, and
+    # flags a full cache (the token is then not stored)
     room = n_sink + n_hist + n_rec < max_len
     to_sink = room & (n_sink < SINK)
     to_recent = room & (n_sink >= SINK)
@@ -192,14 +193,13 @@ def _append_side(
         tl.store(counts_ptr + 6, n_rec)
         tl.store(counts_ptr + 7, start)
         tl.store(flag_ptr + 1, 0)
-    cols = tl.arange(0, D)
-    if not room:
-        if bh == 0:
+        if not room:
             tl.atomic_or(flag_ptr, FULL)
-    elif n_sink < SINK:
+    cols = tl.arange(0, D)
+    if to_sink:
         tl.store(sink_ptr + b * stride_sb + h * stride_sh + n_sink * stride_sn + cols, x)
-    else:
-        if n_rec == LIMIT:
+    elif to_recent:
+        if demoted > 0:
             mu = mu_ptr + b * stride_mu_b + h * stride_mu_h
             rows, centers = _ring_rows(ring, stride_rn, start, mu, n_hist, CAP, FLUSH, BLOCK_F, CENTERED, D, BITS)
             meta = b * stride_zb + h * stride_zh
