@@ -523,6 +523,18 @@ def critical_path_us(kernels: list[tuple[str, float, float]]) -> dict[str, float
     return charged
 
 
+def idle_before_us(kernels: list[tuple[str, float, float]]) -> dict[str, float]:
+    """The gaps where no kernel runs, by the name of the kernel that ends each (``kernels``: ``(name, start, end)``):
+    which launches leave the GPU idle."""
+    idle: dict[str, float] = {}
+    busy_until = None
+    for name, start, end in sorted(kernels, key=lambda k: k[1]):
+        if busy_until is not None and start > busy_until:
+            idle[name] = idle.get(name, 0.0) + start - busy_until
+        busy_until = end if busy_until is None else max(busy_until, end)
+    return idle
+
+
 @torch.no_grad()
 def kernel_times(recorder: ForwardRecorder, top: int, device: torch.device, calls: int = KERNEL_CALLS) -> list[str]:
     """Lines for the log: time per call of the recorded forward, in all and for its ``top`` longest kernels
@@ -544,8 +556,9 @@ def kernel_times(recorder: ForwardRecorder, top: int, device: torch.device, call
         lines = [f"    CPU time per forward {total:.3f} ms in {sum(e.count for e in events) // calls} ops; longest:"]
         return lines + [f"    {time_us(e) / calls / 1e3:8.3f} ms x{e.count // calls:4d}  {e.key[:100]}"
                         for e in events[:top]]
-    critical = critical_path_us([(e.name, e.time_range.start, e.time_range.end) for e in p.events()
-                                 if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0])
+    intervals = [(e.name, e.time_range.start, e.time_range.end) for e in p.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0]
+    critical = critical_path_us(intervals)
     span = sum(critical.values()) / calls / 1e3
     lines = [f"    GPU time per forward {total:.3f} ms summed over {sum(e.count for e in events) // calls} kernels "
              f"(kernels that run at once, as the decode's stages do, count twice); {span:.3f} ms per forward from "
@@ -554,7 +567,10 @@ def kernel_times(recorder: ForwardRecorder, top: int, device: torch.device, call
     lines += [f"    {time_us(e) / calls / 1e3:8.3f} / {critical.get(e.key, 0.0) / calls / 1e3:6.3f} ms "
               f"x{e.count // calls:4d}  {e.key[:100]}" for e in events[:top]]
     if "(idle)" in critical:
-        lines.append(f"    {'':8s}   {critical['(idle)'] / calls / 1e3:6.3f} ms        (idle: no kernel running)")
+        lines.append(f"    {'':8s}   {critical['(idle)'] / calls / 1e3:6.3f} ms        (idle: no kernel running), "
+                     "the most before:")
+        idle = sorted(idle_before_us(intervals).items(), key=lambda kv: -kv[1])
+        lines += [f"    {'':8s}   {gap / calls / 1e3:6.3f} ms        {name[:100]}" for name, gap in idle[:top]]
     return lines
 
 

@@ -220,6 +220,8 @@ def test_critical_path_charges_each_kernel_the_time_its_end_adds():
     charged = bench.critical_path_us(kernels)
     assert charged == {"gemv": 20.0, "tiny": 3.0, "stage1": 17.0, "stage2": 2.0, "(idle)": 3.0}
     assert sum(charged.values()) == 45.0
+    assert bench.idle_before_us(kernels) == {"gemv": 3.0}
+    assert bench.idle_before_us(kernels + [("tiny", 47.0, 48.0), ("gemv", 50.0, 51.0)]) == {"gemv": 5.0, "tiny": 2.0}
 
 
 def test_split_map_spreads_the_layers_evenly_in_order():
