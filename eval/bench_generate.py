@@ -52,7 +52,7 @@ inputs (one CUDA graph replay each; every call stores one more token, so the cac
 the decode step without generate's host work between steps (sampling, stopping criteria, input preparation).
 ``compile_s`` is what the warm-up steps took beyond as many timed steps (torch.compile and CUDA-graph capture for the
 compiled method); ``--kernels N`` then logs the forward's time by kernel (torch.profiler over 5 more replays: GPU time,
-summed and on the critical path, and the idle gaps by the kernel that ends each; on the CPU, self time by op).
+summed and on the critical path, and the idle gaps by the kernel starting after each; on the CPU, self time by op).
 ``peak_mem_gb``: torch.cuda.max_memory_allocated during the generate call, i.e. weights + cache + decode working set
 (``base_mem_gb``: allocated before the cache). ``cache_gb``: the bytes of the cache's tensors after the call
 (``cache.nbytes`` for OSCAR). Memory in GiB, summed over the GPUs the model uses. Cases whose cache alone cannot fit
@@ -524,8 +524,8 @@ def critical_path_us(kernels: list[tuple[str, float, float]]) -> dict[str, float
 
 
 def idle_before_us(kernels: list[tuple[str, float, float]]) -> dict[str, float]:
-    """The gaps where no kernel runs, by the name of the kernel that ends each (``kernels``: ``(name, start, end)``):
-    which launches leave the GPU idle."""
+    """The gaps where no kernel runs, summed by the name of the kernel whose start ends each gap (``kernels``:
+    ``(name, start, end)``): which launches leave the GPU idle."""
     idle: dict[str, float] = {}
     busy_until = None
     for name, start, end in sorted(kernels, key=lambda k: k[1]):
