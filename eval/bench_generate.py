@@ -501,25 +501,32 @@ def replay_ms(recorder: ForwardRecorder, steps: int, device: torch.device) -> fl
     return 1e3 * seconds(start, timestamp(device)) / steps
 
 
+def busy_spans(kernels: list[tuple[str, float, float]]) -> list[list]:
+    """The union of the kernels' intervals (``kernels``: ``(name, start, end)``) as ``[start, end, name]`` spans in
+    order, each named after the kernel that starts it."""
+    busy = []
+    for name, start, end in sorted(kernels, key=lambda k: k[1]):
+        if busy and start <= busy[-1][1]:
+            busy[-1][1] = max(busy[-1][1], end)
+        else:
+            busy.append([start, end, name])
+    return busy
+
+
 def critical_path_us(kernels: list[tuple[str, float, float]]) -> dict[str, float]:
     """Each kernel's share of the GPU's wall time, by name: ``kernels`` are ``(name, start, end)``; walking them by end
     time, a kernel is charged the busy time (some kernel running) between the latest end before it and its own end,
     and the gaps where no kernel runs are charged to "(idle)". A kernel launched early that waits for its predecessor
     is so charged from that predecessor's end; the charges sum to the span from the first start to the last end."""
-    busy = []  # the union of the kernels' intervals, in order
-    for _, start, end in sorted(kernels, key=lambda k: k[1]):
-        if busy and start <= busy[-1][1]:
-            busy[-1][1] = max(busy[-1][1], end)
-        else:
-            busy.append([start, end])
+    busy = busy_spans(kernels)
     charged: dict[str, float] = {}
     covered = busy[0][0] if busy else 0.0
     for name, _, end in sorted(kernels, key=lambda k: k[2]):
-        added = sum(max(0.0, min(hi, end) - max(lo, covered)) for lo, hi in busy)
+        added = sum(max(0.0, min(hi, end) - max(lo, covered)) for lo, hi, _ in busy)
         charged[name] = charged.get(name, 0.0) + added
         covered = max(covered, end)
     if len(busy) > 1:
-        charged["(idle)"] = sum(lo - hi for (_, hi), (lo, _) in zip(busy, busy[1:]))
+        charged["(idle)"] = sum(idle_before_us(kernels).values())
     return charged
 
 
@@ -527,11 +534,9 @@ def idle_before_us(kernels: list[tuple[str, float, float]]) -> dict[str, float]:
     """The gaps where no kernel runs, summed by the name of the kernel whose start ends each gap (``kernels``:
     ``(name, start, end)``): which launches leave the GPU idle."""
     idle: dict[str, float] = {}
-    busy_until = None
-    for name, start, end in sorted(kernels, key=lambda k: k[1]):
-        if busy_until is not None and start > busy_until:
-            idle[name] = idle.get(name, 0.0) + start - busy_until
-        busy_until = end if busy_until is None else max(busy_until, end)
+    busy = busy_spans(kernels)
+    for (_, hi, _), (lo, _, name) in zip(busy, busy[1:]):
+        idle[name] = idle.get(name, 0.0) + lo - hi
     return idle
 
 
