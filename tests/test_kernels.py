@@ -357,6 +357,8 @@ def test_history_programs_capped_where_windows_are_few(batch, tokens, splits, un
 def test_decode_config_rejects_a_negative_cap():
     with pytest.raises(ValueError, match="max_history_programs_per_sm >= 0"):
         DecodeConfig(max_history_programs_per_sm=-1.0)
+    with pytest.raises(ValueError, match="window_tiles >= 1"):
+        DecodeConfig(window_tiles=0)
     with pytest.raises(ValueError, match="programs_per_sm >= 1"):
         DecodeConfig(programs_per_sm=0)
 
@@ -377,10 +379,31 @@ def test_window_programs_prefetch_where_few_and_last(batch, tokens, prefetch):
     config's explicit choice wins."""
     cfg, n_hist = triton_decode.default_config(batch, 128), tokens - 320
     hist_splits = math.ceil(n_hist / triton_decode.plan_splits(batch * 8, n_hist, 72, cfg, 132, batch * 8 * 5))
-    splits, cpu = [hist_splits, 1, hist_splits + 5], torch.device("cpu")
+    splits, cpu = [hist_splits, 1, hist_splits + 5, 2], torch.device("cpu")
     assert triton_decode._window_prefetch(cfg, batch * 8, n_hist, splits, cpu) == prefetch
     forced = DecodeConfig(**{**vars(cfg), "window_prefetch": not prefetch})
     assert triton_decode._window_prefetch(forced, batch * 8, n_hist, splits, cpu) == (not prefetch)
+
+
+@pytest.mark.parametrize("batch, tokens, tiles", [(1, 4096, 1), (1, 16384, 1), (1, 131072, 2), (8, 4096, 1),
+                                                  (8, 32768, 2), (32, 4096, 2)])
+def test_window_chunks_of_one_tile_where_history_programs_are_short(batch, tokens, tiles):
+    """A static Qwen3-8B-shaped layer planned for its capacity on 132 SMs: one tile per sink/recent chunk where the
+    history programs, planned for chunks of two, read at most 8 tiles each (twice the window programs, each half as
+    long), else two; a config's window_tiles wins."""
+    config = OscarConfig(sink_tokens=64, recent_tokens=256, backend="torch")
+    layer = OscarLayer(config, torch.eye(128), torch.eye(128), max_cache_len=tokens)
+    x = torch.zeros(batch, 8, 1, 128, dtype=torch.bfloat16)
+    layer.lazy_initialization(x, x)
+    hist_splits, sink_splits, total, window_tiles = triton_decode.plan(layer, batch)
+    chunk = window_tiles * triton_decode.WINDOW_BLOCK[128]
+    assert window_tiles == tiles
+    assert sink_splits == math.ceil(layer.sink.capacity / chunk)
+    assert total - hist_splits - sink_splits == math.ceil(layer.recent.capacity / chunk)
+    two = triton_decode.plan(layer, batch, config=DecodeConfig(**{**vars(triton_decode.default_config(batch, 128)),
+                                                                   "window_tiles": 2}))
+    assert two[3] == 2 and (tiles == 2) == (two == [hist_splits, sink_splits, total, window_tiles])
+    assert (layer.history.capacity <= 8 * 64 * two[0]) == (tiles == 1)
 
 
 @pytest.mark.parametrize("centered", [False, True], ids=["plain", "centered"])

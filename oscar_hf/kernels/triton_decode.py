@@ -18,13 +18,13 @@ the window programs few but not rare: :func:`plan_splits`); split ``s`` of ``S``
 a head's programs stream neighbouring tiles at once (H100, against one contiguous chunk per split in the same run: 1-4%
 faster at batch 1 to 8, T = 32K and 128K, D = 64, 128, 256; at batch 32, 32K (6-8 splits per head) within ±1%, as two
 launches of one config differ there; ``bench_decode-dev-runs/probe_interleave.log``, ``probe_interleave_modes.log``).
-Sink/recent chunks (model dtype) are two tiles each and come first in the grid (where they are few, they first ask L2
-for their rows: :func:`_window_prefetch`). Stage 2 (grid ``B·Hq·q × D/32``) merges the chunks by log-sum-exp. On sm_90
-every stage is launched early (programmatic dependent launch), waiting for the kernel before it; stages 0 and 1 let
-the next launch once they have waited (stage 2 reads q before its own wait), stage 2 only as it exits (the kernel
-after it then starts on idle SMs). A call runs no other kernel: a placeholder that no kernel reads is left
-uninitialised (a zero fill between the kernel before and stage 1 made stage 1 start 1.6-2 µs after that kernel's end,
-against 0.5 µs; ``bench_decode-dev-runs/probe_pdl2.log``, ``probe_fill.log``).
+Sink/recent chunks (model dtype) are one or two tiles each (:func:`plan`) and come first in the grid (where they are
+few, they first ask L2 for their rows: :func:`_window_prefetch`). Stage 2 (grid ``B·Hq·q × D/32``) merges the chunks
+by log-sum-exp. On sm_90 every stage is launched early (programmatic dependent launch), waiting for the kernel
+before it; stages 0 and 1 let the next launch once they have waited (stage 2 reads q before its own wait), stage 2
+only as it exits (the kernel after it then starts on idle SMs). A call runs no other kernel: a placeholder that no
+kernel reads is left uninitialised (a zero fill between the kernel before and stage 1 made stage 1 start 1.6-2 µs
+after that kernel's end, against 0.5 µs; ``bench_decode-dev-runs/probe_pdl2.log``, ``probe_fill.log``).
 
 History tiles. Byte ``j`` of a code row holds channels ``j + i·W`` (``W = D·bits/8``, ``i < 8/bits``), so halfword
 ``u`` holds channel ``2u + e + i·W`` at bit ``8e + i·bits`` (e = 0, 1): its position ``P = e·8/bits + i``. Rows of
@@ -87,7 +87,6 @@ LOG2E = 1.4426950408889634
 # dot dtype, bits of M (a power of two whose mantissa is zero), M, and the mantissa's width
 MAGIC = {torch.bfloat16: (tl.bfloat16, 0x4300, 128.0, 7), torch.float16: (tl.float16, 0x6400, 1024.0, 10)}
 WINDOW_BLOCK = {64: 32, 128: 32, 256: 16}  # sink/recent tile rows per head_dim (keeps shared memory < 40 KiB)
-WINDOW_TILES = tl.constexpr(2)  # tiles per sink/recent chunk
 MAX_QUERY_ROWS = 32  # query heads x query tokens per program of a several-token call (accumulator registers)
 
 
@@ -108,11 +107,14 @@ class DecodeConfig:
     max_registers: int | None = None  # ptxas register cap per thread (more programs per SM, some spills)
     window_prefetch: bool | None = None  # window programs ask L2 for their rows first (None: _window_prefetch)
     max_history_programs_per_sm: float = 0.0  # a cap where window programs are few but not rare (0: none)
+    window_tiles: int | None = None  # tiles per sink/recent chunk (None: plan's rule, 1 or 2)
 
     def __post_init__(self):
         if self.programs_per_sm < 1 or self.max_history_programs_per_sm < 0:
             raise ValueError("DecodeConfig needs programs_per_sm >= 1 and max_history_programs_per_sm >= 0 (0: no "
                              f"cap); got {self.programs_per_sm} and {self.max_history_programs_per_sm}")
+        if self.window_tiles is not None and self.window_tiles < 1:
+            raise ValueError(f"DecodeConfig needs window_tiles >= 1 (or None: plan's rule); got {self.window_tiles}")
 
 
 def default_config(batch: int, head_dim: int, query_len: int = 1) -> DecodeConfig:
@@ -682,7 +684,7 @@ def _decode_stage1_kernel(
     BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, HAS_MASK: tl.constexpr, Q_LEN: tl.constexpr,
     DT: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr,
     MANTISSA: tl.constexpr, FAST_UNPACK: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr,
-    NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, PAIRED: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, PAIRED: tl.constexpr, WINDOW_TILES: tl.constexpr,
 ):
     """Query row ``c = r·Q_LEN + t`` of a program is query head ``h·G_Q + r`` at query token ``t``; its partial
     output and lse go to row ``(b·Hq + h·G_Q + r)·Q_LEN + t``."""
@@ -751,7 +753,7 @@ def _decode_stage1_kernel(
             tl.where(in_sink, 0, tl.load(counts_ptr + 3)), tl.where(in_sink, 1 << 30, rec_cap),
             mask_row, stride_mq, stride_mt, qk_scale, n_sink + n_hist + n_recent - Q_LEN, part_o_ptr, part_lse_ptr,
             bh * G_Q * Q_LEN, total_splits, split, G_Q, BLOCK_H, D, W, BLOCK_W, HAS_MASK, Q_LEN, DT, FP32_DOT,
-            PREFETCH,
+            PREFETCH, WIN_CHUNK,
         )
 
 
@@ -761,12 +763,13 @@ def _window_split(
     qk_scale, last, part_o_ptr, part_lse_ptr, row0, total_splits, split,
     G_Q: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
     HAS_MASK: tl.constexpr, Q_LEN: tl.constexpr, DT: tl.constexpr, FP32_DOT: tl.constexpr, PREFETCH: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     """A sink or recent chunk of stage 1, query rows as rows (padded to BLOCK_H): :func:`_attend_dense`, then its
     normalised partial output and log-sum-exp. ``last``: the position of the last key before the query tokens."""
     NSUB: tl.constexpr = D // W
     if PREFETCH:
-        _prefetch_window((k, v), lo, hi, stride_n, ring_start, ring_cap, WINDOW_TILES * BLOCK_W, D)
+        _prefetch_window((k, v), lo, hi, stride_n, ring_start, ring_cap, CHUNK, D)
     rows = tl.arange(0, BLOCK_H)
     cols = tl.arange(0, W)
     keep = rows < G_Q * Q_LEN
@@ -892,9 +895,15 @@ def _window_prefetch(cfg: DecodeConfig, batch_heads: int, hist_capacity: int, sp
     (H100, batch 1: 4K 14.8 → 11.1 µs, 32K 19.8 → 18.0 µs; always on, batches 8 and 32 were 2-5% slower)."""
     if cfg.window_prefetch is not None:
         return cfg.window_prefetch
-    hist_splits, _, total = splits
+    hist_splits, _, total, _ = splits
     return (2 * batch_heads * (total - hist_splits) <= _sm_count(device)
-            and hist_capacity <= 8 * cfg.block_n * max(hist_splits, 1))
+            and _short_history(cfg, hist_capacity, hist_splits))
+
+
+def _short_history(cfg: DecodeConfig, n_hist: int, hist_splits: int) -> bool:
+    """Whether the history programs read at most 8 tiles each: then the window programs, whose loads are few and
+    dependent, tend to finish last."""
+    return n_hist <= 8 * cfg.block_n * max(hist_splits, 1)
 
 
 def layer_supports(layer, dtype: torch.dtype, device: torch.device) -> bool:
@@ -930,24 +939,37 @@ def kernel_supports(query: torch.Tensor, layer, attention_mask: torch.Tensor | N
 
 def plan(layer, batch: int, lengths: tuple[int, int, int] | None = None, config: DecodeConfig | None = None,
          query_len: int = 1) -> list[int]:
-    """``[history splits, sink splits, total splits]`` of stage 1 for an OscarLayer holding ``lengths``
+    """``[history splits, sink splits, total splits, window tiles]`` of stage 1 for an OscarLayer holding ``lengths``
     (sink, history, recent) tokens; None plans for its capacities, so that one launch serves every length (the
     kernel spreads the history tiles it finds in the counts over the planned splits). Splits are ordered sink,
-    recent, history: the window chunks (``WINDOW_TILES`` tiles each, unpipelined) start in the first wave instead of
-    trailing the last one."""
+    recent, history: the window chunks (unpipelined) start in the first wave instead of trailing the last one.
+
+    A window chunk is ``config.window_tiles`` tiles, or by default one where the history programs (planned for
+    chunks of two) read at most 8 tiles each, so that the window programs, which then finish last, are twice as
+    many and half as long; else two (H100, whole calls against two tiles: batch 1 4K 9.35 → 8.3 µs, 16K 12.4 →
+    11.6 µs, batch 4 4K 14.9 → 12.4 µs, D = 256 batch 1 4K 10.55 → 8.9 µs; one tile where the history programs
+    are longer was slower: batch 8 32K 67 → 80 µs, batch 32 4K 61 → 65 µs;
+    ``bench_decode-dev-runs/s29_window_tiles.log``)."""
     sink, hist, recent = layer.sink, layer.history, layer.recent
     d = sink["key"].shape[-1]
     n_sink, n_hist, n_recent = lengths or (sink.capacity, hist.capacity, recent.capacity)
     hist_bytes = sum(hist[f"{side}_codes"].shape[-1] + 2 * hist[f"{side}_scale"].shape[-1]
                      * hist[f"{side}_scale"].element_size() for side in ("key", "value"))
     heads = batch * sink["key"].shape[1]
-    win_chunk = WINDOW_TILES.value * WINDOW_BLOCK[d]
-    sink_splits = triton.cdiv(n_sink, win_chunk)
-    window_splits = sink_splits + triton.cdiv(n_recent, win_chunk)
-    hist_chunk = plan_splits(heads, n_hist, hist_bytes, config or default_config(batch, d, query_len),
-                             _sm_count(sink["key"].device), heads * window_splits)
-    hist_splits = triton.cdiv(n_hist, hist_chunk)
-    return [hist_splits, sink_splits, hist_splits + window_splits]
+    cfg = config or default_config(batch, d, query_len)
+
+    def splits(window_tiles: int) -> list[int]:
+        win_chunk = window_tiles * WINDOW_BLOCK[d]
+        sink_splits = triton.cdiv(n_sink, win_chunk)
+        window_splits = sink_splits + triton.cdiv(n_recent, win_chunk)
+        hist_chunk = plan_splits(heads, n_hist, hist_bytes, cfg, _sm_count(sink["key"].device), heads * window_splits)
+        hist_splits = triton.cdiv(n_hist, hist_chunk)
+        return [hist_splits, sink_splits, hist_splits + window_splits, window_tiles]
+
+    if cfg.window_tiles is not None:
+        return splits(cfg.window_tiles)
+    two = splits(2)
+    return splits(1) if _short_history(cfg, n_hist, two[0]) else two
 
 
 def layer_tensors(layer) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
@@ -981,7 +1003,7 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
     query = query if query.stride(-1) == 1 else query.contiguous()
     if key_rotation is not None:
         query = rotate_query(query, key_rotation, pdl)
-    hist_splits, sink_splits, total = splits
+    hist_splits, sink_splits, total, window_tiles = splits
     if attention_mask is None:  # a pointer never read: uninitialised, so that no fill kernel delays stage 1
         mask, mask_strides = query.new_empty(1, dtype=torch.uint8), (0, 0, 0)
     else:
@@ -1021,8 +1043,9 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
             MANTISSA=mantissa, FAST_UNPACK=cfg.fast_unpack and not interpreting,
             FP32_DOT=dt == tl.bfloat16 and interpreting, PDL=pdl, NUM_STAGES=cfg.num_stages,
             PREFETCH=_window_prefetch(cfg, batch * heads, history[0].shape[2], splits, query.device)
-            and not interpreting, PAIRED=paired, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            launch_pdl=pdl, **({"maxnreg": cfg.max_registers} if cfg.max_registers and not interpreting else {}),
+            and not interpreting, PAIRED=paired, WINDOW_TILES=window_tiles, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, launch_pdl=pdl,
+            **({"maxnreg": cfg.max_registers} if cfg.max_registers and not interpreting else {}),
         )
         _decode_stage2_kernel[(batch * hq * q_len, d // 32)](
             part_o, part_lse, out, total, total - hist_splits, query, *query.stride()[:3], *mu, hq, scaling * LOG2E,
