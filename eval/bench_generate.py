@@ -526,17 +526,21 @@ def critical_path_us(kernels: list[tuple[str, float, float]]) -> dict[str, float
         charged[name] = charged.get(name, 0.0) + added
         covered = max(covered, end)
     if len(busy) > 1:
-        charged["(idle)"] = sum(idle_before_us(kernels).values())
+        charged["(idle)"] = sum(gap for _, gap in _gaps(busy))
     return charged
+
+
+def _gaps(busy: list[list]) -> list[tuple[str, float]]:
+    """``(name of the span after it, length)`` of each gap between the :func:`busy_spans` ``busy``."""
+    return [(name, lo - hi) for (_, hi, _), (lo, _, name) in zip(busy, busy[1:])]
 
 
 def idle_before_us(kernels: list[tuple[str, float, float]]) -> dict[str, float]:
     """The gaps where no kernel runs, summed by the name of the kernel whose start ends each gap (``kernels``:
     ``(name, start, end)``): which launches leave the GPU idle."""
     idle: dict[str, float] = {}
-    busy = busy_spans(kernels)
-    for (_, hi, _), (lo, _, name) in zip(busy, busy[1:]):
-        idle[name] = idle.get(name, 0.0) + lo - hi
+    for name, gap in _gaps(busy_spans(kernels)):
+        idle[name] = idle.get(name, 0.0) + gap
     return idle
 
 
