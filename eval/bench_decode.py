@@ -4,7 +4,7 @@
     PYTHONPATH=. python eval/bench_decode.py --smoke          # CPU, TRITON_INTERPRET=1, tiny shapes, no timings
 
 1. Checks both kernels against their torch oracles (write: bit-identical; decode: as close to an fp32 reference
-   as naive.attend), for the inline-PTX and the plain unpacking; aborts if neither is right.
+   as the torch twin), for the inline-PTX and the plain unpacking; aborts if neither is right.
 2. Measures the device copy bandwidth (a large device-to-device copy, bytes read + written).
 3. Times the decode kernel over T x batch x shape, from CUDA graphs that run the call on several rotated input
    sets (more bytes than the L2 cache; no Python launch overhead), two ways (:class:`GraphTime`): each replay after
@@ -64,11 +64,14 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from oscar_hf import OscarConfig, OscarLayer  # noqa: E402
+from oscar_hf import DynamicOscarLayer, OscarConfig  # noqa: E402
 from oscar_hf.evaluation.environment import device_slug, environment, gpu_state  # noqa: E402
-from oscar_hf.kernels import naive, quantize_kv, triton_dequant  # noqa: E402
-from oscar_hf.kernels.triton_decode import DecodeConfig, decode, default_config  # noqa: E402
-from oscar_hf.kernels.triton_write import quantize_pack_kv  # noqa: E402
+from oscar_hf.kernels import PackedKV, quantize_kv  # noqa: E402
+from oscar_hf.kernels.decode.launch import DecodeConfig, default_config  # noqa: E402
+from oscar_hf.kernels.decode.reference import attend as torch_attend  # noqa: E402
+from oscar_hf.kernels.decode.triton import decode  # noqa: E402
+from oscar_hf.kernels.dequantize.triton import fill_history  # noqa: E402
+from oscar_hf.kernels.write.triton import quantize_pack_kv  # noqa: E402
 from oscar_hf.quantizer import quantize  # noqa: E402
 from oscar_hf.rotations import hadamard_matrix  # noqa: E402
 
@@ -97,11 +100,11 @@ def check_write() -> None:
 
 
 def check_decode(fast_unpack: bool) -> bool:
-    """Real layers (prefill + one decode step through the triton writer, left padding) vs naive.attend."""
+    """Real layers (prefill + one decode step through the triton writer, left padding) vs the torch twin."""
     cases = ((4, 128, torch.bfloat16, 700), (4, 64, torch.float16, 300), (8, 256, torch.bfloat16, 90))
     for groups, d, dtype, n in cases[:1] if ARGS.smoke or ARGS.quick else cases:
         cfg = OscarConfig(sink_tokens=8, recent_tokens=16, flush_tokens=4, key_bits=ARGS.key_bits, backend="triton")
-        layer = OscarLayer(cfg, torch.eye(d), torch.eye(d))
+        layer = DynamicOscarLayer(cfg, torch.eye(d), torch.eye(d))
         kv = torch.randn(2, 2, 2, n, d, device=DEVICE).to(dtype)
         kv[:, 1, :, :37] = 30.0  # left padding with huge K/V: a leak would show
         mask = torch.ones(2, 1, 1, n, dtype=torch.bool, device=DEVICE)
@@ -110,8 +113,8 @@ def check_decode(fast_unpack: bool) -> bool:
         key, value = layer.update(kv[0, :, :, -1:], kv[1, :, :, -1:])
         query = torch.randn(2, 2 * groups, 1, d, device=DEVICE).to(dtype)
         config = replace(default_config(2, d), fast_unpack=fast_unpack)
-        got = decode(query, layer, mask, None, config).float()
-        want = naive.attend(Attn(groups), query, key, value, mask, None).float()
+        got = decode(query, layer.packed(), mask, None, config).float()
+        want = torch_attend(Attn(groups), query, layer.packed(), key.new, value.new, mask, None).float()
         parts = {side: layer.materialize(side, dtype=torch.float32) for side in ("key", "value")}
         exact = torch.nn.functional.scaled_dot_product_attention(
             query.float().view(2, 2, groups, d), parts["key"], parts["value"], attn_mask=mask[:, :, 0, None, :]
@@ -121,37 +124,31 @@ def check_decode(fast_unpack: bool) -> bool:
         step = scales.float().abs().max().item() if scales.numel() else 0.0
         bound = 2 * naive_err + torch.finfo(dtype).eps * (exact.abs().max().item() + 0.75 * step)
         if not err <= bound:
-            print(f"  mismatch: {config} g={groups} D={d} {dtype}: {err:.2g} > {bound:.2g} (naive {naive_err:.2g})")
+            print(f"  mismatch: {config} g={groups} D={d} {dtype}: {err:.2g} > {bound:.2g} "
+                  f"(torch twin {naive_err:.2g})")
             if dtype == torch.bfloat16:
                 return False
     return True
 
 
 # ------------------------------------------------------------------------------------------- synthetic data
-def synthetic_layer(batch: int, heads: int, d: int, n_hist: int, dtype=torch.bfloat16) -> OscarLayer:
-    """An OscarLayer holding SINK + n_hist + RECENT tokens of random data (codes need no quantization to time),
-    centered (the default config), K codes of ``--key-bits``."""
-    config = OscarConfig(sink_tokens=SINK, recent_tokens=RECENT, key_bits=ARGS.key_bits, backend="triton")
-    layer = OscarLayer(config, torch.eye(d), torch.eye(d))
-    x = torch.zeros(batch, heads, 1, d, dtype=dtype, device=DEVICE)
-    layer.lazy_initialization(x, x)
-
-    def window(n):
-        return torch.randn(batch, heads, n, d, dtype=dtype, device=DEVICE)
-
-    def meta(lo, hi):
-        return torch.empty(batch, heads, n_hist, 1, dtype=torch.float16, device=DEVICE).uniform_(lo, hi)
-
-    codes = [torch.randint(0, 256, (batch, heads, n_hist, d * bits // 8), dtype=torch.uint8, device=DEVICE)
-             for bits in (ARGS.key_bits, 2)]
-    layer.sink.tensors = {"key": window(SINK), "value": window(SINK)}
-    layer.recent.tensors = {"key": window(RECENT), "value": window(RECENT)}
-    layer.history.tensors = {"key_codes": codes[0], "key_scale": meta(0.02, 0.05), "key_zero": meta(-0.1, -0.05),
-                             "value_codes": codes[1], "value_scale": meta(0.5, 1.0), "value_zero": meta(-1.5, -1.0)}
-    layer.center.tensors = {side: torch.randn(batch, heads, 1, d, device=DEVICE) for side in ("key", "value")}
-    # counts on the device, as a static cache holds them: the launch reads no host state (CUDA-graph capturable)
-    layer.counts = torch.tensor([SINK, n_hist, RECENT, 0], dtype=torch.int32, device=DEVICE)
-    return layer
+def synthetic_packed(batch: int, heads: int, d: int, n_hist: int, dtype=torch.bfloat16) -> PackedKV:
+    """A PackedKV holding SINK + n_hist + RECENT tokens of random data (codes need no quantization to time),
+    centered, K codes of ``--key-bits``, its counts on the device as a static cache holds them (the launch reads no
+    host state: CUDA-graph capturable)."""
+    packed = PackedKV.empty(batch, heads, d, sink=SINK, history=n_hist, recent=RECENT, dtype=dtype, device=DEVICE,
+                            key_bits=ARGS.key_bits, centered=True)
+    for t in packed.windows:
+        t.normal_()
+    for rows, (s_lo, s_hi, z_lo, z_hi) in ((packed.key, (0.02, 0.05, -0.1, -0.05)),
+                                           (packed.value, (0.5, 1.0, -1.5, -1.0))):
+        rows.codes.random_(0, 256)
+        rows.scale.uniform_(s_lo, s_hi)
+        rows.zero.uniform_(z_lo, z_hi)
+    for center in packed.centers:
+        center.normal_()
+    packed.counts = torch.tensor([SINK, n_hist, RECENT, 0], dtype=torch.int32, device=DEVICE)
+    return packed
 
 
 def packed_bytes(batch: int, hq: int, heads: int, d: int, n_hist: int) -> int:
@@ -290,11 +287,11 @@ def time_configs(batch: int, hq: int, heads: int, d: int, n_hist: int, configs) 
     """(:class:`GraphTime` of CUDA graphs over rotated input sets, eager ms of one call) per config; the queries
     used."""
     n_sets = rotations(packed_bytes(batch, hq, heads, d, n_hist))
-    layers = [synthetic_layer(batch, heads, d, n_hist) for _ in range(n_sets)]
+    layers = [synthetic_packed(batch, heads, d, n_hist) for _ in range(n_sets)]
     queries = [torch.randn(batch, hq, 1, d, dtype=torch.bfloat16, device=DEVICE) for _ in range(n_sets)]
     times = []
     for config in configs:
-        calls = [lambda q=q, layer=layer: decode(q, layer, None, None, config) for q, layer in zip(queries, layers)]
+        calls = [lambda q=q, packed=packed: decode(q, packed, None, None, config) for q, packed in zip(queries, layers)]
         times.append((graph_time(calls), eager_time(calls[0])))
     return times, queries
 
@@ -373,24 +370,25 @@ def bench_decode(shape: str, batch: int, context: int, copy_gbps: float, fast_ok
 def bench_verify(context: int, q_len: int = 4) -> dict:
     """Attention of ``q_len`` query tokens (assisted decoding's verify step) over a Qwen3-8B layer holding
     ``context`` tokens, batch 1, eager: the decode kernel reading the packed history (``decode``, several query
-    tokens), against the history dequantized by torch (``OscarLayer.materialize``) or by the Triton dequantize
-    kernel (``triton_dequant.dequantize_into``), each followed by SDPA. Aborts if the kernel disagrees with naive."""
+    tokens), against the history dequantized by torch (``dequantize.reference``) or by the Triton dequantize
+    kernel (``dequantize.triton.fill_history``), each followed by SDPA. Aborts if the kernel disagrees with the torch
+    twin."""
     hq, heads, d = SHAPES["qwen3-8b"]
-    layer = OscarLayer(OscarConfig(sink_tokens=SINK, recent_tokens=RECENT, key_bits=ARGS.key_bits, backend="triton"),
-                       torch.eye(d), torch.eye(d))
+    config = OscarConfig(sink_tokens=SINK, recent_tokens=RECENT, key_bits=ARGS.key_bits, backend="triton")
+    layer = DynamicOscarLayer(config, torch.eye(d), torch.eye(d))
     k, v = (torch.randn(1, heads, context, d, device=DEVICE).to(torch.bfloat16) for _ in range(2))
     layer.update(k[:, :, :-q_len], v[:, :, :-q_len])
     key, value = layer.update(k[:, :, -q_len:], v[:, :, -q_len:])
     query = torch.randn(1, hq, q_len, d, device=DEVICE).to(torch.bfloat16)
     module = Attn(hq // heads)
-    fused = decode(query, layer, None, None)
-    want = naive.attend(module, query, key, value, None, None)
+    fused = decode(query, layer.packed(), None, None)
+    want = torch_attend(module, query, layer.packed(), key.new, value.new, None, None)
     err = (fused.float() - want.float()).abs().max().item()
     if not err <= 1.6e-2 * (1 + want.float().abs().max().item()):
-        sys.exit(f"ABORT: the {q_len}-token decode differs from naive.attend by {err:.3g} at T={context}")
-    calls = {"fused": lambda: decode(query, layer, None, None)}
-    for name, fill in (("torch", None), ("triton", triton_dequant.dequantize_into)):
-        calls[name] = lambda f=fill: naive.attend(module, query, key, value, None, None, f)
+        sys.exit(f"ABORT: the {q_len}-token decode differs from the torch twin by {err:.3g} at T={context}")
+    calls = {"fused": lambda: decode(query, layer.packed(), None, None)}
+    for name, fill in (("torch", None), ("triton", fill_history)):
+        calls[name] = lambda f=fill: torch_attend(module, query, layer.packed(), key.new, value.new, None, None, f)
     times = {name: eager_time(call) for name, call in calls.items()}
     gpu = {name: device_time(call) for name, call in calls.items()}
     print(f"verify step, {q_len} query tokens over {context} tokens (Qwen3-8B layer, B=1, max error vs naive "
@@ -417,7 +415,7 @@ def bench_write(tokens: int) -> dict:
     torch_ms = device_time(lambda: quantize_kv(k, v, **kwargs))
     rotation = hadamard_matrix(d).float().to(DEVICE)
     config = OscarConfig(sink_tokens=SINK, recent_tokens=RECENT, key_bits=ARGS.key_bits, backend="triton")
-    update_ms = device_time(lambda: OscarLayer(config, rotation, rotation).update(k, v))
+    update_ms = device_time(lambda: DynamicOscarLayer(config, rotation, rotation).update(k, v))
     q = torch.randn(1, hq, tokens, d, device=DEVICE).to(torch.bfloat16)
     kr, vr = (t.repeat_interleave(hq // heads, dim=1) for t in (k, v))
     prefill_ms = device_time(lambda: torch.nn.functional.scaled_dot_product_attention(q, kr, vr, is_causal=True))
@@ -439,9 +437,10 @@ def main():
     check_write()
     fast_ok = check_decode(fast_unpack=True)
     if not fast_ok and not check_decode(fast_unpack=False):
-        sys.exit("ABORT: the decode kernel does not match naive.attend")
-    print("decode kernel: matches naive.attend" if fast_ok else "WARNING: the inline-PTX unpacking is WRONG on this "
-          "GPU; timing the plain path. Set DecodeConfig.fast_unpack's default to False in triton_decode.py.")
+        sys.exit("ABORT: the decode kernel does not match the torch twin")
+    print("decode kernel: matches the torch twin" if fast_ok else "WARNING: the inline-PTX unpacking is WRONG on this "
+          "GPU; timing the plain path. Set DecodeConfig.fast_unpack's default to False in "
+          "oscar_hf/kernels/decode/launch.py.")
     copy_gbps = copy_bandwidth()
     print(f"device copy bandwidth: {copy_gbps:.0f} GB/s (read + write)")
     if ARGS.smoke:

@@ -31,8 +31,8 @@ from triton.runtime.jit import mangle_type
 if os.environ.get("TRITON_INTERPRET"):  # its kernels would be the interpreter's, with its launch parameters
     raise SystemExit("eval/kernel_sass.py compiles for a GPU: run it without TRITON_INTERPRET")
 
-from oscar_hf import OscarConfig, OscarLayer  # noqa: E402
-from oscar_hf.kernels import triton_decode  # noqa: E402
+from oscar_hf import DynamicOscarLayer, OscarConfig  # noqa: E402
+from oscar_hf.kernels.decode import triton as triton_decode  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
@@ -53,7 +53,7 @@ class _Capture:
 def captured_launch(head_dim: int, dtype: torch.dtype, key_bits: int) -> tuple[tuple, dict]:
     """Positional and keyword arguments of the stage-1 launch that ``decode`` makes (nothing runs)."""
     config = OscarConfig(sink_tokens=64, recent_tokens=256, flush_tokens=1, key_bits=key_bits, backend="torch")
-    layer = OscarLayer(config, torch.eye(head_dim), torch.eye(head_dim))
+    layer = DynamicOscarLayer(config, torch.eye(head_dim), torch.eye(head_dim))
     kv = torch.randn(2, 1, 8, 64 + 1024 + 256, head_dim, generator=torch.Generator().manual_seed(0)).to(dtype)
     layer.update(kv[0], kv[1])
     query = torch.randn(1, 32, 1, head_dim).to(dtype)
@@ -61,7 +61,7 @@ def captured_launch(head_dim: int, dtype: torch.dtype, key_bits: int) -> tuple[t
     capture = _Capture()
     try:
         triton_decode._decode_stage1_kernel, triton_decode._decode_stage2_kernel = capture, _Capture()
-        triton_decode.decode(query, layer, None, None)
+        triton_decode.decode(query, layer.packed(), None, None)
     finally:
         triton_decode._decode_stage1_kernel, triton_decode._decode_stage2_kernel = stage1, stage2
     (args, kwargs), = capture.calls

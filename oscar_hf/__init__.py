@@ -5,11 +5,12 @@ Data flow: calibrate → OscarRotations → OscarQuantizedCache → "oscar" atte
 
 from .absorb import absorb_value_rotation
 from .attention import oscar_attention_forward, register
-from .cache import OscarKV, OscarLayer, OscarQuantizedCache, enable
+from .cache import DynamicOscarLayer, OscarKV, OscarLayer, OscarQuantizedCache, StaticOscarLayer, enable
 from .calibrate import calibrate
 from .config import OscarConfig
 from .diagnostics import diagnose
 from .generation import overlapped_sample
+from .kernels import PackedKV
 from .model_support import ModelShape, UnsupportedModelError, cache_kwargs, check_model_supported
 from .recipes import load_recipe
 from .rotations import OscarRotations, hadamard_matrix
@@ -23,6 +24,7 @@ __all__ = [
     "cache_kwargs",
     "calibrate",
     "diagnose",
+    "DynamicOscarLayer",
     "load_recipe",
     "ModelShape",
     "OscarConfig",
@@ -30,6 +32,8 @@ __all__ = [
     "OscarLayer",
     "OscarQuantizedCache",
     "OscarRotations",
+    "PackedKV",
+    "StaticOscarLayer",
     "UnsupportedModelError",
     "check_model_supported",
     "enable",

@@ -1,7 +1,7 @@
 """The "oscar" attention implementation: rotate q, attend over the OSCAR cache, rotate the output back.
 
-Registered with transformers' AttentionInterface (and the matching sdpa mask function, without
-which left padding would be silently ignored) when oscar_hf is imported.
+Registered with transformers' AttentionInterface (and the matching sdpa mask function, without which left padding
+would be silently ignored) when oscar_hf is imported.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from .cache import ATTN_IMPLEMENTATION, OscarKV
-from .capture import CapturedKV
 from .kernels import attention_backend
 
 UNSUPPORTED_KWARGS = {"softcap": "attention logit soft-capping", "s_aux": "learned attention sinks"}
@@ -30,41 +29,40 @@ def oscar_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """Attention for ``query [B, Hq, q, D]`` (post-RoPE) → ``([B, q, Hq, D], None)``.
 
-    K/V that are plain tensors (no cache, another cache, sliding-window layers) go to sdpa.
-    OscarKV handles go to the backend named by the cache's OscarConfig; CapturedKV (calibration)
-    to sdpa, reporting the tensors to its observer. A static layer's one-token steps read the cache on the
-    device (no graph break under torch.compile); everything else runs eagerly.
+    K/V that are plain tensors (no cache, another cache, sliding-window layers) go to sdpa; OscarKV handles to the
+    kernel backend named by the cache's OscarConfig. A static layer's one-token steps read the cache on the device
+    (no graph break under torch.compile); everything else runs eagerly.
     """
     if (isinstance(key, OscarKV) and key.layer.graph_step and query.shape[2] == 1
             and all(kwargs.get(name) is None for name in (*UNSUPPORTED_KWARGS, "sliding_window"))
             and (attention_mask is None or attention_mask.dtype == torch.bool)):
-        from .kernels.triton_decode import decode_on_device  # triton is imported on first use (TRITON_INTERPRET)
+        from .kernels.decode.triton import decode_static  # imported on first use (TRITON_INTERPRET)
 
         layer = key.layer
         rotated = layer.store_pending(query)  # the step's token, stored by a kernel that rotates q as well
-        out = decode_on_device(query if rotated is None else rotated, layer, attention_mask, scaling,
-                               query_rotated=rotated is not None)
+        rotation = layer.key_rotation if layer.rotates_keys and rotated is None else None
+        out = decode_static(query if rotated is None else rotated, layer.packed(), attention_mask, scaling,
+                            layer.decode_splits, rotation)
         return layer.unrotate_values(out), None
     return _attend_on_host(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
 
 
 @torch.compiler.disable  # a graph break inside a compiled forward
 def _attend_on_host(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
-    if isinstance(key, CapturedKV):
-        return key.attend(module, query, value, attention_mask, scaling)
     if not isinstance(key, OscarKV):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    key.layer.store_pending()
+    layer = key.layer
+    layer.store_pending()
     for name, feature in UNSUPPORTED_KWARGS.items():
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"OscarQuantizedCache does not support {feature} ({name}=...)")
     if kwargs.get("sliding_window") is not None:
         raise NotImplementedError("a sliding-window attention layer reached an OSCAR (full-attention) cache layer")
-    layer = key.layer
     attend = attention_backend(layer.config.backend, query.device)
-    out = attend(module, layer.rotate_keys(query), key, value, attention_mask, scaling)
+    out = attend(module, layer.rotate_keys(query), layer.packed(), key.new, value.new, attention_mask, scaling,
+                 layer.config.recent_tokens)
     return layer.unrotate_values(out), None
 
 

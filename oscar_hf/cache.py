@@ -1,54 +1,45 @@
 """OscarQuantizedCache: a transformers Cache that keeps rotated K and V mostly in 2 bits.
 
-Per full-attention layer and KV head the cached sequence is ``sink ‖ history ‖ recent``:
+Per full-attention layer and KV head the cached sequence is ``sink ‖ history ‖ recent``, stored rotated
+(``k @ R_K``, ``v @ R_V``) in a :class:`~oscar_hf.kernels.PackedKV`'s layout:
 
 * ``sink``    model dtype ``[B, H, ≤ sink_tokens, D]``: the first tokens;
-* ``history`` packed codes uint8 ``[B, H, N, D·bits/8]`` (K's ``D·key_bits/8``) with scale and zero
-  ``[B, H, N, D/group]``; with ``OscarConfig.key_quantization="per-channel"`` K's scale and zero are
-  ``[B, H, N/G, D]`` instead (one per channel and group of ``G = flush_tokens`` tokens), and every demotion moves
-  whole groups;
-* ``recent``  model dtype ``[B, H, ≤ recent_tokens + flush_tokens - 1, D]``: the newest tokens, a ring buffer
-  whose oldest token is row ``recent_start`` (0 except after graph steps; host-side code unrolls it first);
-* ``center``  fp32 ``[B, H, 1, D]`` per centered side (``OscarConfig.centered_sides``): the history stores
-  ``x - center`` and reads back ``x̂ + center``; the first tokens to reach an empty history set it.
+* ``history`` packed codes with scales and zeros, per token (and per channel for K with per-channel keys: the K
+  layout, :mod:`oscar_hf.layouts`); ``center`` fp32 ``[B, H, 1, D]`` per centered side, set by the first tokens to
+  reach an empty history, which then stores ``x - center``;
+* ``recent``  model dtype ``[B, H, ≤ recent_tokens + flush_tokens - 1, D]``: the newest tokens, demoted to the
+  history ``flush_tokens`` at a time.
 
-Window buffers grow up to those sizes; the history grows in chunks of at least HISTORY_GROWTH tokens.
-
-With ``max_cache_len`` every buffer has its final size from the first update, the counts (sink, history, recent,
-ring start) live in an int32 device tensor, and, where the Triton kernels serve the layer, a decode step is
-two operators and a few torch ops (``graph_step``): no host synchronisation, one CUDA graph for the whole
-model step under ``torch.compile``. OscarQuantizedCache leaves a graph step's token to the attention function, whose
-append kernel stores it and rotates q in one launch (``store_pending``; the layer's next use stores a token that no
-attention took). A graph step also keeps the counts it started from (``counts[4:8]``, -1 where host-side code changed
-the layer since), so that ``crop(-1)`` undoes it exactly.
-
-Everything is stored rotated (``k @ R_K``, ``v @ R_V``). ``update`` returns :class:`OscarKV`
-handles instead of dense tensors; the attention function registered as ``"oscar"`` reads the
-storage through them. Sliding-window layers keep transformers' own bf16 layer.
+One layer class per allocation mode, as in transformers: :class:`DynamicOscarLayer` grows its buffers;
+:class:`StaticOscarLayer` (``max_cache_len``) allocates them once, keeps its counts on the device and, where the Triton
+kernels serve it, takes each decode step as device-only operators (a graph step: no host synchronisation, one CUDA
+graph per model step under ``torch.compile``). ``update`` returns :class:`OscarKV` handles instead of dense tensors;
+the ``"oscar"`` attention function reads the storage through them. Sliding-window layers keep transformers' own layer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from .config import OscarConfig
-from .kernels import WRITE_BACKENDS, graph_step_supported, quantize_kv, write_backend
+from .kernels import WRITE_BACKENDS, PackedKV, resolve
+from .kernels.decode import launch as decode_launch
+from .kernels.dequantize.reference import dequantize_history, materialize
+from .kernels.flags import raise_for_flags
 from .model_support import ModelShape, check_model_supported
-from .quantizer import QuantizedRows, dequantize, dequantize_per_channel
+from .quantizer import QuantizedRows
 from .rotations import OscarRotations
 
 ATTN_IMPLEMENTATION = "oscar"
-HISTORY_GROWTH = 1024  # tokens; the history grows by at least this much, or by an eighth of itself
-# A growing history's capacities are multiples of this many tokens: growing then cannot change whether the per-token
-# scale/zero strides are divisible by 16, on which Triton specializes (and so recompiles) the decode kernel. (A static
-# history never grows.)
+HISTORY_GROWTH = 1024  # tokens; a growing history grows by at least this much, or by an eighth of itself
+# A growing history's capacities are multiples of this many tokens, so that growing cannot change whether the
+# per-token scale/zero strides are divisible by 16, on which Triton specializes (and recompiles) the decode kernel.
 HISTORY_ALIGN = 16
-DEQUANTIZERS = {"per-token": dequantize, "per-channel": dequantize_per_channel}  # by OscarConfig.key_quantization
 BEFORE_STEP = 4  # a static layer's counts[4:8]: its counts before its last graph step, or counts[4] = -1
+SIDES = ("key", "value")
 
 
 def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
@@ -76,9 +67,9 @@ class OscarKV:
     """What ``update`` hands to the attention function in place of K or V ``[B, H, T, D]``.
 
     ``new`` holds the rotated K (or V) of the tokens added by this update, at full precision; the rest of the
-    sequence is read from ``layer``. A graph step's token is stored rotated by the append kernel (at the update, or
-    by the attention function where OscarQuantizedCache leaves it pending), and the handle holds the token as given
-    with its ``rotate``: ``new`` rotates it only if read (the device-side attention does not).
+    sequence is read from ``layer``. A graph step's token is stored rotated by the append kernel, and the handle
+    holds the token as given with its ``rotate``: ``new`` rotates it only if read (the device-side attention does
+    not).
     """
 
     __slots__ = ("layer", "_new", "_rotate")
@@ -145,6 +136,7 @@ class _Segment:
             self.tensors[name][:, :, row : row + value.shape[2]] = value
 
     def read(self, stop: int, start: int = 0) -> dict[str, torch.Tensor]:
+        """Every tensor's rows of tokens ``[start, stop)``."""
         return {name: t[:, :, start // self._width(name) : self._rows(name, stop)] for name, t in self.tensors.items()}
 
     def grow(self, used: int, capacity: int) -> None:
@@ -164,21 +156,10 @@ class _Segment:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
-def _reserve(segment: _Segment, used: int, needed: int, limit: int) -> None:
+def _grow_window(segment: _Segment, used: int, needed: int, limit: int) -> None:
     """Grow a window segment (doubling, at most to ``limit`` tokens) so that it holds ``needed`` tokens."""
     if needed > segment.capacity:
         segment.grow(used, min(limit, max(needed, 2 * segment.capacity, 16)))
-
-
-def _aligned(tokens: int) -> int:
-    """``tokens`` rounded up to a multiple of HISTORY_ALIGN."""
-    return -(-tokens // HISTORY_ALIGN) * HISTORY_ALIGN
-
-
-def _dequantize_history_into(layer: "OscarLayer", side: str, out: torch.Tensor) -> None:
-    """:meth:`OscarLayer.materialize`'s torch history fill (the whole history dequantized, as per-channel K needs
-    whole token groups, then its first ``out.shape[2]`` tokens copied)."""
-    out.copy_(layer._history(side, layer.n_history)[:, :, : out.shape[2]])
 
 
 def _count(index: int, doc: str) -> property:
@@ -196,43 +177,33 @@ def _count(index: int, doc: str) -> property:
 
 
 class OscarLayer(CacheLayerMixin):
-    """One full-attention layer's OSCAR storage. See the module docstring for the layout."""
+    """One full-attention layer's OSCAR storage (see the module docstring), with the host-side updates and reads that
+    both allocation modes share. Use :class:`DynamicOscarLayer` or :class:`StaticOscarLayer`."""
 
     is_compileable = False
     is_sliding = False
+    # A crop right after an update leaves no trace, as transformers' rollbacks need (a deferred stop check's extra
+    # step, assisted decoding's rejected candidates): a crop right after a host-side update of at most recent_tokens
+    # tokens takes it back (_last_update) and stores the kept tokens again; a static layer's crop(-1) right after a
+    # graph step restores the counts it started from. (Other crops keep in the history the tokens that the removed
+    # ones pushed there.)
+    is_croppable = True
+    max_cache_len: int | None = None
+    graph_step = False  # decode steps as device-only operators
 
-    def __init__(
-        self,
-        config: OscarConfig,
-        key_rotation: torch.Tensor,
-        value_rotation: torch.Tensor,
-        max_cache_len: int | None = None,
-    ):
+    def __init__(self, config: OscarConfig, key_rotation: torch.Tensor, value_rotation: torch.Tensor):
         super().__init__()
         if config.key_bits_layers is not None:
-            raise ValueError("OscarLayer takes one layer's config: pass OscarConfig.for_layer(layer_idx), which "
+            raise ValueError("an OSCAR layer takes one layer's config: pass OscarConfig.for_layer(layer_idx), which "
                              "resolves key_bits_layers")
         self.config = config
         self.key_rotation = key_rotation
         self.value_rotation = value_rotation
         # an identity rotation (data-free baselines, per-channel K, an absorbed V) costs no GEMM per step
         self.rotates_keys, self.rotates_values = (not _is_identity(r) for r in (key_rotation, value_rotation))
-        self.max_cache_len = max_cache_len
-        # static buffers and a fixed mask size: generate may compile the model around the cache (see the class doc)
-        self.is_compileable = max_cache_len is not None
-        # sink, history, recent, ring start; an int32 device tensor once a static layer is initialized, with the
-        # same four before the last graph step after them
-        self.counts: list[int] | torch.Tensor = [0, 0, 0, 0]
-        self.graph_step = False  # decode steps as device-only operators (set by lazy_initialization)
+        self.counts: list[int] | torch.Tensor = [0, 0, 0, 0]  # sink, history, recent, ring start
         self._last_update: _UpdateRecord | None = None  # what crop needs to take back the last host-side update
-        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # a graph step's K/V left to the attention
         self.defers_host_reads = False  # set by oscar_hf.generation.overlapped_sample (see get_seq_length)
-
-    # A crop right after an update leaves no trace, as transformers' rollbacks need (a deferred stop check's extra
-    # step, assisted decoding's rejected candidates): crop(-1) right after a graph step restores the counts it started
-    # from; a crop right after a host-side update of at most recent_tokens tokens takes it back (_last_update) and
-    # stores the kept tokens again. (Other crops keep in the history the tokens that the removed ones pushed there.)
-    is_croppable = True
 
     n_sink = _count(0, "tokens in the sink")
     n_history = _count(1, "tokens in the quantized history")
@@ -269,12 +240,9 @@ class OscarLayer(CacheLayerMixin):
         batch, heads, _, dim = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
         cfg = self.config
+        layout = cfg.key_layout
         self.group_size = cfg.resolved_group_size(dim)
-        self.writer = (
-            partial(quantize_kv, key_token_group=cfg.flush_tokens)  # the Triton write kernel is per token
-            if cfg.key_quantization == "per-channel"
-            else write_backend(cfg.backend, self.device)
-        )
+        self.writer = layout.writer(cfg, self.device)
         # row-major: the append kernel reads them as such
         self.key_rotation = self.key_rotation.to(self.device, self.dtype).contiguous()
         self.value_rotation = self.value_rotation.to(self.device, self.dtype).contiguous()
@@ -282,116 +250,66 @@ class OscarLayer(CacheLayerMixin):
         def empty(*tail: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.empty(batch, heads, 0, *tail, dtype=dtype, device=self.device)
 
-        self.sink = _Segment({"key": empty(dim, dtype=self.dtype), "value": empty(dim, dtype=self.dtype)})
-        self.recent = _Segment({"key": empty(dim, dtype=self.dtype), "value": empty(dim, dtype=self.dtype)})
-        groups, scale_dtype = dim // self.group_size, cfg.torch_scale_dtype
-        codes = {side: dim * bits // 8 for side, bits in cfg.side_bits.items()}
+        self.sink = _Segment({side: empty(dim, dtype=self.dtype) for side in SIDES})
+        self.recent = _Segment({side: empty(dim, dtype=self.dtype) for side in SIDES})
         self.center = _Segment({side: torch.zeros(batch, heads, int(side in cfg.centered_sides), dim,
-                                                  device=self.device) for side in ("key", "value")})
+                                                  device=self.device) for side in SIDES})
         # per side: (scale and zero columns, tokens per scale row)
-        layouts = {"per-token": (groups, 1), "per-channel": (dim, cfg.flush_tokens)}
-        meta = {"key": layouts[cfg.key_quantization], "value": layouts["per-token"]}
-        self.history = _Segment(
-            {
-                f"{side}_{part}": empty(codes[side], dtype=torch.uint8)
-                if part == "codes"
-                else empty(meta[side][0], dtype=scale_dtype)
-                for side in ("key", "value")
-                for part in ("codes", "scale", "zero")
-            },
-            tokens_per_row={f"{side}_{part}": meta[side][1] for side in meta for part in ("scale", "zero")},
-        )
+        meta = {"key": (layout.scale_columns(dim, self.group_size), layout.tokens_per_scale_row(cfg)),
+                "value": (dim // self.group_size, 1)}
+        history = {}
+        for side, bits in cfg.side_bits.items():
+            history[f"{side}_codes"] = empty(dim * bits // 8, dtype=torch.uint8)
+            for part in ("scale", "zero"):
+                history[f"{side}_{part}"] = empty(meta[side][0], dtype=cfg.torch_scale_dtype)
+        self.history = _Segment(history, {f"{side}_{part}": meta[side][1] for side in SIDES
+                                          for part in ("scale", "zero")})
         self.is_initialized = True
-        if self.max_cache_len is not None:
-            self._allocate_static(batch)
 
-    def _allocate_static(self, batch: int) -> None:
-        """Every buffer at its final size (the recent window with one more row, as a ring buffer), the counts and
-        the flags (errors, and the append kernel's arrival count) on the device, all at static addresses for CUDA
-        graphs."""
-        cfg = self.config
-        _reserve(self.sink, 0, min(cfg.sink_tokens, self.max_cache_len), cfg.sink_tokens)
-        _reserve(self.recent, 0, min(self.recent_limit + 1, self.max_cache_len), self.recent_limit + 1)
-        self.history.grow(0, max(0, self.max_cache_len - cfg.sink_tokens - cfg.recent_tokens))
-        self.counts = torch.tensor([0, 0, 0, 0, -1, -1, -1, -1], dtype=torch.int32, device=self.device)
-        self.flags = torch.zeros(2, dtype=torch.int32, device=self.device)  # error flags, the append's arrivals
-        if not torch.compiler.is_compiling():
-            for t in (*self._tensors(), self.counts, self.flags, self.key_rotation, self.value_rotation):
-                torch._dynamo.mark_static_address(t)
-        self.graph_step = graph_step_supported(self)
-        if self.graph_step:
-            from .kernels.triton_decode import plan
-
-            self.decode_splits = plan(self, batch)  # one launch shape for every length
+    def packed(self) -> PackedKV:
+        """The storage as the kernels take it (views of the layer's buffers and its counts)."""
+        h, cfg = self.history, self.config
+        centers = [self.center[side] if side in cfg.centered_sides else None for side in SIDES]
+        counts = self.counts if self.counts_on_device else tuple(self.counts)
+        return PackedKV(self.sink["key"], self.sink["value"], self.recent["key"], self.recent["value"],
+                        *(QuantizedRows(h[f"{side}_codes"], h[f"{side}_scale"], h[f"{side}_zero"]) for side in SIDES),
+                        counts, *cfg.side_bits.values(), self.group_size, *centers,
+                        cfg.key_layout.tokens_per_scale_row(cfg))
 
     # -------------------------------------------------------------------------------- writes
     def takes_graph_step(self, key_states: torch.Tensor) -> bool:
-        """Whether ``update(key_states)`` is a graph step: a static layer's one token, stored by the device-only
-        append operator with no host synchronisation (torch.compile traces it whole)."""
-        return self.is_initialized and self.graph_step and key_states.shape[2] == 1
+        """Whether ``update(key_states)`` is a graph step (a static layer's device-only one-token update)."""
+        return False
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, leave_to_attention: bool = False,
-               **kwargs) -> tuple[OscarKV, OscarKV]:
-        """Rotate and store new K/V ``[B, H, n, D]``; return handles for the attention function (a graph step
-        rotates in its append kernel). ``leave_to_attention`` (OscarQuantizedCache.update): a graph step's token is
-        stored by the attention function, whose append kernel then also rotates q (:meth:`store_pending`), or else
-        by the layer's next use."""
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[OscarKV, OscarKV]:
+        """Rotate and store new K/V ``[B, H, n, D]``; return handles for the attention function."""
         self.store_pending()
-        if self.takes_graph_step(key_states):
-            self._last_update = None
-            if leave_to_attention:
-                self._pending = (key_states, value_states)
-            else:
-                from .kernels.triton_append import append
-
-                append(self, key_states, value_states)
-            return OscarKV(self, key_states, self.rotate_keys), OscarKV(self, value_states, self.rotate_values)
         self._check_room(key_states, value_states)
-        new = {
-            "key": self.rotate_keys(key_states),
-            "value": self.rotate_values(value_states),
-        }
+        new = {"key": self.rotate_keys(key_states), "value": self.rotate_values(value_states)}
         self._append(new)
         return OscarKV(self, new["key"]), OscarKV(self, new["value"])
 
     def _check_room(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Initialize on the first update; raise what device-side steps flagged, or when a static layer cannot
-        take ``key_states``' tokens."""
+        """Initialize on the first update; raise what device-side steps flagged."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.check_flags()
-        if self.max_cache_len is not None and (length := self.length) + key_states.shape[2] > self.max_cache_len:
-            raise ValueError(
-                f"OscarQuantizedCache(max_cache_len={self.max_cache_len}) cannot take {key_states.shape[2]} more "
-                f"tokens after {length}: build it with a larger max_cache_len (prompt + max_new_tokens)"
-            )
 
     def store_pending(self, query: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Store the token a graph step left to the attention, if any (the append kernel); returns the step's
-        ``query [B, Hq, 1, D]`` rotated by R_K in the same kernel, or None (nothing pending, no query, or an identity
-        R_K: q stays as it is)."""
-        if self._pending is None:
-            return None
-        from .kernels.triton_append import append
-
-        (key, value), self._pending = self._pending, None
-        return append(self, key, value, query)
+        """Store a token that a graph step left to the attention function (a static layer's); see there."""
+        return None
 
     def check_flags(self) -> None:
-        """Raise what a static layer's device-side steps flagged (non-finite K/V, a scale overflow, a full cache)."""
-        self.store_pending()
-        if self.counts_on_device and self.is_initialized:
-            from .kernels.triton_write import raise_for_flags
-
-            raise_for_flags(int(self.flags[0]), self.config.torch_scale_dtype)
+        """Raise what device-side steps flagged (a static layer's)."""
 
     def _unroll_recent(self) -> None:
-        """Make the recent window's oldest token row 0 again (after graph steps), for the host-side code."""
-        start = self.recent_start
-        if start:
-            for t in self.recent.tensors.values():
-                t.copy_(t.roll(-start, dims=2))
-            self.recent_start = 0
+        """Make the recent window's oldest token row 0 again, for the host-side code (a static layer's ring)."""
+
+    def _reserve(self, segment: _Segment, used: int, needed: int, limit: int) -> None:
+        """Make ``segment`` hold ``needed`` tokens (at most ``limit``), keeping its first ``used``."""
+
+    def _reserve_history(self, needed: int) -> None:
+        """Make the history hold ``needed`` tokens."""
 
     def _append(self, new: dict[str, torch.Tensor]) -> None:
         self._unroll_recent()
@@ -401,18 +319,18 @@ class OscarLayer(CacheLayerMixin):
         self._last_update = record
         to_sink = min(cfg.sink_tokens - self.n_sink, n)
         if to_sink:
-            _reserve(self.sink, self.n_sink, self.n_sink + to_sink, cfg.sink_tokens)
+            self._reserve(self.sink, self.n_sink, self.n_sink + to_sink, cfg.sink_tokens)
             self.sink.write(self.n_sink, {s: t[:, :, :to_sink] for s, t in new.items()})
             self.n_sink += to_sink
         rest = {s: t[:, :, to_sink:] for s, t in new.items()}
         resident, limit = self.n_recent + (n - to_sink), self.recent_limit
         if resident <= limit:
-            _reserve(self.recent, self.n_recent, resident, limit)
+            self._reserve(self.recent, self.n_recent, resident, limit)
             self.recent.write(self.n_recent, rest)
             self.n_recent = resident
             return
         # Too many tokens for the window: the oldest ones, down to recent_tokens (rounded down to whole demotion
-        # units: token groups with per-channel K), go to the history.
+        # units), go to the history.
         window = rest  # a prompt that reaches an empty window is not copied
         if self.n_recent:
             window = {s: torch.cat([self.recent[s][:, :, : self.n_recent], t], dim=2) for s, t in rest.items()}
@@ -423,10 +341,10 @@ class OscarLayer(CacheLayerMixin):
         demoted = (resident - cfg.recent_tokens) // cfg.demotion_unit * cfg.demotion_unit
         self._quantize_into_history({s: t[:, :, :demoted] for s, t in window.items()})
         self.n_recent = resident - demoted
-        _reserve(self.recent, 0, self.n_recent, limit)
+        self._reserve(self.recent, 0, self.n_recent, limit)
         self.recent.write(0, {s: t[:, :, demoted:] for s, t in window.items()})
 
-    def _take_back(self, record: "_UpdateRecord", tokens: int) -> None:
+    def _take_back(self, record: _UpdateRecord, tokens: int) -> None:
         """Undo the update of ``record``, then store its first ``tokens`` tokens again."""
         if record.recent is not None:
             self.recent.write(0, record.recent)
@@ -444,9 +362,7 @@ class OscarLayer(CacheLayerMixin):
             for side in cfg.centered_sides:
                 self.center[side].copy_(rows[side].mean(dim=2, keepdim=True, dtype=torch.float32))
         needed = self.n_history + n
-        if needed > self.history.capacity:
-            capacity = max(needed, self.history.capacity + max(HISTORY_GROWTH, self.history.capacity // 8))
-            self.history.grow(self.n_history, _aligned(capacity))
+        self._reserve_history(needed)
         quantized = self.writer(
             rows["key"],
             rows["value"],
@@ -459,66 +375,36 @@ class OscarLayer(CacheLayerMixin):
             method=cfg.quantizer,
             **{f"{side}_center": self.center[side] for side in cfg.centered_sides},  # the writer stores x - μ
         )
-        packed = {f"{side}_{part}": t for side, q in zip(("key", "value"), quantized) for part, t in zip(q._fields, q)}
+        packed = {f"{side}_{part}": t for side, q in zip(SIDES, quantized) for part, t in zip(q._fields, q)}
         self.history.write(self.n_history, packed)
         self.n_history = needed
 
     # --------------------------------------------------------------------------------- reads
     def _history(self, side: str, stop: int, start: int = 0) -> torch.Tensor:
-        """History tokens ``[start, stop)`` of ``side``, dequantized (center added back): fp32
-        ``[B, H, stop - start, D]``. With per-channel K, ``start`` and ``stop`` are multiples of the token group."""
-        h = self.history.read(stop, start)
-        layout = self.config.key_quantization if side == "key" else "per-token"
-        rows = QuantizedRows(h[f"{side}_codes"], h[f"{side}_scale"], h[f"{side}_zero"])
-        history = DEQUANTIZERS[layout](rows, self.config.side_bits[side])
-        return history + self.center[side] if side in self.config.centered_sides else history
+        """History tokens ``[start, stop)`` of ``side``, dequantized (center added back): fp32 ``[B, H, stop - start,
+        D]``. With per-channel K, ``start`` and ``stop`` are multiples of the token group."""
+        return dequantize_history(self.packed(), side, stop, start)
 
-    def materialize(
-        self,
-        side: str,
-        stop: int | None = None,
-        dtype: torch.dtype | None = None,
-        new: torch.Tensor | None = None,
-        dequantize_into=None,
-    ) -> torch.Tensor:
-        """The stored sequence ``sink ‖ dequantized history ‖ recent`` of ``side`` ("key" or "value"), rotated:
-        its first ``stop`` tokens (default all), then ``new [B, H, q, D]`` if given, as one ``[B, H, stop + q, D]``
-        buffer in ``dtype`` (default the model's). ``dequantize_into(layer, side, out)`` writes the first
-        ``out.shape[2]`` history tokens into the buffer's view ``out`` (default: torch, :meth:`_history`; the Triton
-        backend passes ``triton_dequant.dequantize_into``)."""
+    def materialize(self, side: str, stop: int | None = None, dtype: torch.dtype | None = None,
+                    new: torch.Tensor | None = None, fill=None) -> torch.Tensor:
+        """The stored sequence ``sink ‖ dequantized history ‖ recent`` of ``side``, rotated: its first ``stop``
+        tokens (default all), then ``new`` if given, in ``dtype`` (default the model's); ``fill`` as
+        :func:`oscar_hf.kernels.dequantize.reference.materialize`'s."""
         self.check_flags()
-        self._unroll_recent()
-        stop = self.length if stop is None else min(stop, self.length)
-        n_sink = min(self.n_sink, stop)
-        n_hist = min(self.n_history, stop - n_sink)
-        batch, heads, _, dim = self.sink[side].shape
-        extra = 0 if new is None else new.shape[2]
-        out = torch.empty(batch, heads, stop + extra, dim, dtype=dtype or self.dtype, device=self.device)
-        out[:, :, :n_sink] = self.sink[side][:, :, :n_sink]
-        if n_hist:
-            (dequantize_into or _dequantize_history_into)(self, side, out[:, :, n_sink : n_sink + n_hist])
-        out[:, :, n_sink + n_hist : stop] = self.recent[side][:, :, : stop - n_sink - n_hist]
-        if new is not None:
-            out[:, :, stop:] = new
-        return out
+        return materialize(self.packed(), side, stop, new, dtype, fill)
 
     # ------------------------------------------------------------------ cache bookkeeping API
     def get_seq_length(self) -> int | torch.Tensor:
-        """Tokens stored: an int, after raising what the device flagged; or a static layer's 0-d device tensor,
-        without synchronising, inside a compiled region (no graph break) and while ``defers_host_reads``."""
+        """Tokens stored, after raising what the device flagged."""
         self.store_pending()
-        if self.counts_on_device and (torch.compiler.is_compiling() or self.defers_host_reads):
-            return self.counts[:3].sum()
         self.check_flags()
         return self.length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        if self.max_cache_len is not None:  # a fixed size, so that a compiled forward sees one mask shape
-            return self.max_cache_len, 0
         return self.length + query_length, 0
 
     def get_max_length(self) -> int:
-        return -1 if self.max_cache_len is None else self.max_cache_len
+        return -1
 
     def _segments(self) -> tuple[_Segment, ...]:
         return (self.sink, self.history, self.recent, self.center) if self.is_initialized else ()
@@ -527,20 +413,14 @@ class OscarLayer(CacheLayerMixin):
         return [t for segment in self._segments() for t in segment.tensors.values()]
 
     def reset(self) -> None:
-        self._last_update = self._pending = None
-        if self.counts_on_device:  # in place: compiled graphs hold these addresses
-            self.counts.zero_()
-            self.counts[BEFORE_STEP] = -1
-            self.flags.zero_()
-        else:
-            self.counts = [0, 0, 0, 0]
+        self._last_update = None
+        self.counts = [0, 0, 0, 0]
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the newest ``-tokens_to_remove`` tokens (transformers passes a negative count, sometimes as a
-        0-d tensor: a growing layer's counts must stay Python ints). ``crop(0)`` touches nothing (a deferred stop
-        check calls it every step); ``crop(-1)`` right after a graph step undoes that step exactly, and a crop right
-        after a host-side update of at most ``recent_tokens`` tokens leaves what that update's kept tokens alone would
-        have left (see ``is_croppable``)."""
+        """Drop the newest ``-tokens_to_remove`` tokens (transformers passes a negative count, sometimes as a 0-d
+        tensor). ``crop(0)`` touches nothing (a deferred stop check calls it every step); a crop right after a
+        host-side update of at most ``recent_tokens`` tokens leaves what that update's kept tokens alone would have
+        left (see ``is_croppable``)."""
         self.store_pending()
         tokens_to_remove = int(tokens_to_remove)
         if tokens_to_remove > 0:
@@ -551,10 +431,6 @@ class OscarLayer(CacheLayerMixin):
         if record is not None and -tokens_to_remove <= record.new["key"].shape[2]:
             self._take_back(record, record.new["key"].shape[2] + tokens_to_remove)
             return
-        if tokens_to_remove == -1 and self.counts_on_device and int(self.counts[BEFORE_STEP]) >= 0:
-            self.counts[:BEFORE_STEP] = self.counts[BEFORE_STEP:].clone()
-            self.counts[BEFORE_STEP] = -1
-            return
         self._unroll_recent()
         remove = min(-tokens_to_remove, self.length)
         for count in ("n_recent", "n_history", "n_sink"):
@@ -564,26 +440,22 @@ class OscarLayer(CacheLayerMixin):
         self._return_cut_group()
 
     def _return_cut_group(self) -> None:
-        """After a crop into a per-channel K token group (whose scale and zero also cover cropped tokens), move the
-        group's surviving tokens back to the (then empty) recent window, dequantized; their next demotion
-        quantizes them again, with the group they join."""
+        """After a crop into a K token group of the history (per-channel K, whose scale and zero also cover cropped
+        tokens), move the group's surviving tokens back to the (then empty) recent window, dequantized; their next
+        demotion quantizes them again, with the group they join."""
         unit = self.config.demotion_unit
         cut = self.n_history % unit
         if not cut:
             return
         start = self.n_history - cut
-        survivors = {side: self._history(side, start + unit, start)[:, :, :cut] for side in ("key", "value")}
-        _reserve(self.recent, 0, cut, self.recent_limit)
+        survivors = {side: self._history(side, start + unit, start)[:, :, :cut] for side in SIDES}
+        self._reserve(self.recent, 0, cut, self.recent_limit)
         self.recent.write(0, survivors)
         self.n_history, self.n_recent = start, cut
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.store_pending()
         self._last_update = None
-        if self.counts_on_device:  # in place: compiled graphs hold these addresses
-            for t in self._tensors():
-                t.copy_(t.index_select(0, beam_idx.to(t.device)))
-            return
         for segment in self._segments():
             segment.map(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
@@ -624,6 +496,166 @@ class OscarLayer(CacheLayerMixin):
         )
         b, h, _, d = self.sink["key"].shape
         return 8 * used, 2 * b * h * self.length * d
+
+
+class DynamicOscarLayer(OscarLayer):
+    """An OSCAR layer whose buffers grow with the sequence: windows by doubling up to their limits, the history in
+    chunks of at least HISTORY_GROWTH tokens. Counts are Python ints; every update runs on the host."""
+
+    def _reserve(self, segment: _Segment, used: int, needed: int, limit: int) -> None:
+        _grow_window(segment, used, needed, limit)
+
+    def _reserve_history(self, needed: int) -> None:
+        capacity = self.history.capacity
+        if needed > capacity:
+            grown = max(needed, capacity + max(HISTORY_GROWTH, capacity // 8))
+            self.history.grow(self.n_history, -(-grown // HISTORY_ALIGN) * HISTORY_ALIGN)
+
+
+class StaticOscarLayer(OscarLayer):
+    """An OSCAR layer with every buffer at its final size from the first update (``max_cache_len`` tokens), a fixed
+    attention-mask size, and its counts in an int32 device tensor: compileable. Where the Triton kernels serve it
+    (:meth:`_graph_step_supported`), a one-token update is a graph step: the append operator stores the token (or the
+    attention function does, rotating q in the same kernel: :meth:`store_pending`) and the decode operator reads the
+    counts on the device. The counts before the last graph step (``counts[4:8]``, -1 where host-side code changed the
+    layer since) let ``crop(-1)`` undo it exactly. The recent window is a ring buffer (one more row than it holds)."""
+
+    is_compileable = True
+
+    def __init__(self, config: OscarConfig, key_rotation: torch.Tensor, value_rotation: torch.Tensor,
+                 max_cache_len: int):
+        super().__init__(config, key_rotation, value_rotation)
+        self.max_cache_len = max_cache_len
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # a graph step's K/V left to the attention
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Every buffer at its final size, the counts and the flags (errors, and the append kernel's arrival count)
+        on the device, all at static addresses for CUDA graphs."""
+        super().lazy_initialization(key_states, value_states)
+        cfg = self.config
+        _grow_window(self.sink, 0, min(cfg.sink_tokens, self.max_cache_len), cfg.sink_tokens)
+        _grow_window(self.recent, 0, min(self.recent_limit + 1, self.max_cache_len), self.recent_limit + 1)
+        self.history.grow(0, max(0, self.max_cache_len - cfg.sink_tokens - cfg.recent_tokens))
+        self.counts = torch.tensor([0, 0, 0, 0, -1, -1, -1, -1], dtype=torch.int32, device=self.device)
+        self.flags = torch.zeros(2, dtype=torch.int32, device=self.device)
+        if not torch.compiler.is_compiling():
+            for t in (*self._tensors(), self.counts, self.flags, self.key_rotation, self.value_rotation):
+                torch._dynamo.mark_static_address(t)
+        self.graph_step = self._graph_step_supported()
+        if self.graph_step:
+            self.decode_splits = decode_launch.plan(self.packed(), key_states.shape[0])  # one launch shape
+
+    def _graph_step_supported(self) -> bool:
+        """Whether the Triton append and decode kernels serve every one-token step of this layer."""
+        cfg = self.config
+        if resolve(cfg.backend, self.device) != "triton":
+            return False
+        from .kernels.write.triton import supports as write_supports
+
+        return decode_launch.supports_storage(self.packed(), cfg.recent_tokens) and write_supports(
+            self.sink["key"], self.group_size, cfg.quantizer, *cfg.side_bits.values())
+
+    # -------------------------------------------------------------------------------- writes
+    def takes_graph_step(self, key_states: torch.Tensor) -> bool:
+        """Whether ``update(key_states)`` is a graph step: one token, stored by the device-only append operator with
+        no host synchronisation (torch.compile traces it whole)."""
+        return self.is_initialized and self.graph_step and key_states.shape[2] == 1
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, leave_to_attention: bool = False,
+               **kwargs) -> tuple[OscarKV, OscarKV]:
+        """Rotate and store new K/V ``[B, H, n, D]``. ``leave_to_attention`` (OscarQuantizedCache.update): a graph
+        step's token is stored by the attention function, whose append kernel then also rotates q
+        (:meth:`store_pending`), or else by the layer's next use."""
+        if not self.takes_graph_step(key_states):
+            return super().update(key_states, value_states)
+        self.store_pending()
+        self._last_update = None
+        if leave_to_attention:
+            self._pending = (key_states, value_states)
+        else:
+            self._append_on_device(key_states, value_states)
+        return OscarKV(self, key_states, self.rotate_keys), OscarKV(self, value_states, self.rotate_values)
+
+    def _append_on_device(self, key: torch.Tensor, value: torch.Tensor,
+                          query: torch.Tensor | None = None) -> torch.Tensor | None:
+        from .kernels.append.triton import append
+
+        cfg = self.config
+        return append(self.packed(), key, value, flags=self.flags, max_len=self.max_cache_len,
+                      sink_tokens=cfg.sink_tokens, limit=self.recent_limit, flush=cfg.flush_tokens, k_clip=cfg.k_clip,
+                      v_clip=cfg.v_clip, key_rotation=self.key_rotation if self.rotates_keys else None,
+                      value_rotation=self.value_rotation if self.rotates_values else None, query=query)
+
+    def _check_room(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super()._check_room(key_states, value_states)
+        if (length := self.length) + key_states.shape[2] > self.max_cache_len:
+            raise ValueError(
+                f"OscarQuantizedCache(max_cache_len={self.max_cache_len}) cannot take {key_states.shape[2]} more "
+                f"tokens after {length}: build it with a larger max_cache_len (prompt + max_new_tokens)"
+            )
+
+    def store_pending(self, query: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Store the token a graph step left to the attention, if any (the append kernel); returns the step's
+        ``query [B, Hq, 1, D]`` rotated by R_K in the same kernel, or None (nothing pending, no query, or an identity
+        R_K: q stays as it is)."""
+        if self._pending is None:
+            return None
+        (key, value), self._pending = self._pending, None
+        return self._append_on_device(key, value, query)
+
+    def check_flags(self) -> None:
+        """Raise what the device-side steps flagged (non-finite K/V, a scale overflow, a full cache)."""
+        self.store_pending()
+        if self.counts_on_device and self.is_initialized:
+            raise_for_flags(int(self.flags[0]), self.config.torch_scale_dtype)
+
+    def _unroll_recent(self) -> None:
+        start = self.recent_start
+        if start:
+            for t in self.recent.tensors.values():
+                t.copy_(t.roll(-start, dims=2))
+            self.recent_start = 0
+
+    # ------------------------------------------------------------------ cache bookkeeping API
+    def get_seq_length(self) -> int | torch.Tensor:
+        """Tokens stored: an int, after raising what the device flagged; or a 0-d device tensor, without
+        synchronising, inside a compiled region (no graph break) and while ``defers_host_reads``."""
+        self.store_pending()
+        if self.counts_on_device and (torch.compiler.is_compiling() or self.defers_host_reads):
+            return self.counts[:3].sum()
+        return super().get_seq_length()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.max_cache_len, 0  # a fixed size, so that a compiled forward sees one mask shape
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        self._last_update = self._pending = None
+        if not self.counts_on_device:
+            return super().reset()
+        self.counts.zero_()  # in place: compiled graphs hold these addresses
+        self.counts[BEFORE_STEP] = -1
+        self.flags.zero_()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """As :meth:`OscarLayer.crop`; ``crop(-1)`` right after a graph step undoes that step exactly."""
+        self.store_pending()
+        if (int(tokens_to_remove) == -1 and self.counts_on_device and self._last_update is None
+                and int(self.counts[BEFORE_STEP]) >= 0):
+            self.counts[:BEFORE_STEP] = self.counts[BEFORE_STEP:].clone()
+            self.counts[BEFORE_STEP] = -1
+            return
+        super().crop(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if not self.counts_on_device:
+            return super().reorder_cache(beam_idx)
+        self.store_pending()
+        self._last_update = None
+        for t in self._tensors():  # in place: compiled graphs hold these addresses
+            t.copy_(t.index_select(0, beam_idx.to(t.device)))
 
 
 class OscarQuantizedCache(Cache):
@@ -678,8 +710,9 @@ class OscarQuantizedCache(Cache):
         layers = []
         for i, kind in enumerate(shape.layer_types):
             if kind == "full_attention":
-                layers.append(OscarLayer(config.for_layer(i), rotations.key_rotation[i], rotations.value_rotation[i],
-                                         max_cache_len))
+                rotation_pair = (rotations.key_rotation[i], rotations.value_rotation[i])
+                layers.append(DynamicOscarLayer(config.for_layer(i), *rotation_pair) if max_cache_len is None else
+                              StaticOscarLayer(config.for_layer(i), *rotation_pair, max_cache_len))
             elif kind == "sliding_attention":
                 layers.append(DynamicSlidingWindowLayer(sliding_window=shape.sliding_window))
             else:

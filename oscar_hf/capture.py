@@ -1,8 +1,9 @@
-"""Read post-norm, post-RoPE q, k and v exactly where the cache sees them, with no dump to disk.
+"""Calibration's view of a model: post-norm, post-RoPE q, k and v exactly where the cache sees them, with no dump
+to disk.
 
-``CaptureCache`` is passed as the model's cache; it stores nothing. Its layers hand K/V to the
-"oscar" attention function as :class:`CapturedKV`, which calls the observer's ``observe`` with
-the query, K, V and the attention output of every layer, then returns the normal sdpa result.
+:func:`run_capture` runs a forward with ``CaptureCache`` (which stores nothing) and calibration's own attention
+function, ``"oscar_capture"``: its layers hand K/V to it as :class:`CapturedKV`, and it calls the observer's
+``observe`` with the query, K, V and the attention output of every layer, then returns the normal sdpa result.
 """
 
 from __future__ import annotations
@@ -10,8 +11,14 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+from .model_support import ModelShape, cache_kwargs, check_model_supported
+
+CAPTURE_IMPLEMENTATION = "oscar_capture"
 
 
 class Observer(Protocol):
@@ -77,12 +84,28 @@ class CaptureCache(Cache):
         super().__init__(layers=[CaptureLayer(observer, i) for i in range(num_layers)])
 
 
+def capture_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                              scaling: float | None = None, **kwargs):
+    """The ``"oscar_capture"`` attention: CapturedKV to the observer and sdpa, plain tensors to sdpa."""
+    if isinstance(key, CapturedKV):
+        return key.attend(module, query, value, attention_mask, scaling)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
+
+
 @torch.no_grad()
 def run_capture(model: torch.nn.Module, observer: Observer, input_ids: torch.Tensor) -> None:
-    """One forward of unpadded ``input_ids [B, L]`` with every layer's q, k, v sent to ``observer``."""
-    from .cache import enable
-    from .model_support import ModelShape, cache_kwargs
+    """One forward of unpadded ``input_ids [B, L]`` with every layer's q, k, v sent to ``observer``; the model's
+    attention implementation is restored afterwards."""
+    check_model_supported(model)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(CAPTURE_IMPLEMENTATION)
+    try:
+        cache = CaptureCache(observer, ModelShape.from_config(model.config).num_layers)
+        model(input_ids=input_ids.to(model.device), **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+    finally:
+        model.set_attn_implementation(previous)
 
-    enable(model)
-    cache = CaptureCache(observer, ModelShape.from_config(model.config).num_layers)
-    model(input_ids=input_ids.to(model.device), **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+
+AttentionInterface.register(CAPTURE_IMPLEMENTATION, capture_attention_forward)
+AttentionMaskInterface.register(CAPTURE_IMPLEMENTATION, sdpa_mask)

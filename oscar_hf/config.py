@@ -8,15 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .layouts import KEY_LAYOUTS, KeyLayout
+
 SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 QUANTIZERS = ("uniform", "lloyd-max")
 BACKENDS = ("auto", "torch", "triton")
-KEY_QUANTIZATIONS = ("per-token", "per-channel")
-# What per-channel K needs of the other fields: field -> (required value, why).
-PER_CHANNEL_KEY_NEEDS = {
-    "k_clip": (1.0, "clipping is per token"),
-    "quantizer": ("uniform", "Lloyd-Max levels are per token"),
-}
 
 
 def _is_int(value) -> bool:
@@ -116,12 +112,11 @@ class OscarConfig:
             self._fail("quantizer", "'uniform' with 4-bit K or V ('lloyd-max' has 2-bit levels only)")
         if not isinstance(self.centering, bool):
             self._fail("centering", "True or False")
-        if self.key_quantization not in KEY_QUANTIZATIONS:
-            self._fail("key_quantization", " or ".join(repr(k) for k in KEY_QUANTIZATIONS))
-        if self.key_quantization == "per-channel":
-            for name, (needed, why) in PER_CHANNEL_KEY_NEEDS.items():
-                if getattr(self, name) != needed:
-                    self._fail(name, f"{needed!r} when key_quantization='per-channel' ({why})")
+        if self.key_quantization not in KEY_LAYOUTS:
+            self._fail("key_quantization", " or ".join(repr(k) for k in KEY_LAYOUTS))
+        for name, (needed, why) in self.key_layout.needs.items():
+            if getattr(self, name) != needed:
+                self._fail(name, f"{needed!r} when key_quantization={self.key_quantization!r} ({why})")
         if self.backend not in BACKENDS:
             self._fail("backend", " or ".join(repr(k) for k in BACKENDS))
 
@@ -166,16 +161,21 @@ class OscarConfig:
         return group
 
     @property
+    def key_layout(self) -> KeyLayout:
+        """The K layout strategy that ``key_quantization`` names."""
+        return KEY_LAYOUTS[self.key_quantization]
+
+    @property
     def centered_sides(self) -> tuple[str, ...]:
-        """The sides whose history is stored centered: both, V alone with per-channel K, or none."""
+        """The sides whose history is stored centered: both, V alone where the K layout is not centered, or none."""
         if not self.centering:
             return ()
-        return ("value",) if self.key_quantization == "per-channel" else ("key", "value")
+        return ("key", "value") if self.key_layout.centered else ("value",)
 
     @property
     def demotion_unit(self) -> int:
-        """The history grows by multiples of this: ``flush_tokens`` (a token group) with per-channel K, else 1."""
-        return self.flush_tokens if self.key_quantization == "per-channel" else 1
+        """The history grows by multiples of this many tokens (the K layout's)."""
+        return self.key_layout.demotion_unit(self)
 
     def bits_per_element(
         self, head_dim: int, seq_len: int | None = None, model_bits: int = 16, num_layers: int | None = None
@@ -189,7 +189,7 @@ class OscarConfig:
         """
         scale_bits = torch.finfo(self.torch_scale_dtype).bits
         group = self.resolved_group_size(head_dim)
-        key_group = {"per-token": group, "per-channel": self.flush_tokens}[self.key_quantization]
+        key_group = self.key_layout.values_per_scale(self, group)
         # the mean over K and V of the code bits and a scale and a zero per group
         history = (self.mean_key_bits(num_layers) + self.bits) / 2 + scale_bits / key_group + scale_bits / group
         if seq_len is None:

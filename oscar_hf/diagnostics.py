@@ -14,7 +14,7 @@ import torch
 
 from .capture import run_capture
 from .config import OscarConfig
-from .quantizer import clip_rows, dequantize, dequantize_per_channel, quantize, quantize_per_channel
+from .quantizer import clip_rows, dequantize, quantize
 from .rotations import OscarRotations
 
 METRICS = ("k_error", "v_error", "score_kl", "output_error", "k_clip_rate", "v_clip_rate")
@@ -37,22 +37,15 @@ class DiagnosticsObserver:
         center = x.mean(dim=2, keepdim=True) if centered else torch.zeros_like(x[:, :, :1])
         x = x - center
         bits = cfg.side_bits[side]
-        if side == "key" and cfg.key_quantization == "per-channel":
-            # whole token groups, as the cache demotes them; the last partial group stays exact (recent window)
-            whole = x.shape[2] // cfg.flush_tokens * cfg.flush_tokens
-            rows = quantize_per_channel(
-                x[:, :, :whole], token_group=cfg.flush_tokens, bits=bits, scale_dtype=cfg.torch_scale_dtype
-            )
-            return torch.cat([dequantize_per_channel(rows, bits), x[:, :, whole:]], dim=2) + center
-        rows = quantize(
-            x,
-            bits=bits,
-            group_size=cfg.group_size,
-            clip=clip,
-            scale_dtype=cfg.torch_scale_dtype,
-            method=cfg.quantizer,
-        )
-        return dequantize(rows, bits) + center
+        if side == "value":
+            rows = quantize(x, bits=bits, group_size=cfg.group_size, clip=clip, scale_dtype=cfg.torch_scale_dtype,
+                            method=cfg.quantizer)
+            return dequantize(rows, bits) + center
+        # whole demotion units, as the cache demotes them; a last partial unit stays exact (recent window)
+        layout, whole = cfg.key_layout, x.shape[2] // cfg.demotion_unit * cfg.demotion_unit
+        group = cfg.resolved_group_size(x.shape[-1])
+        rows = layout.quantize(x[:, :, :whole], bits=bits, clip=clip, group_size=group, config=cfg)
+        return torch.cat([layout.dequantize(rows, bits), x[:, :, whole:]], dim=2) + center
 
     def observe(self, layer_idx, query, key, value, output, scaling) -> None:
         cfg, device = self.config.for_layer(layer_idx), key.device

@@ -8,7 +8,16 @@ import torch
 from conftest import make_model
 
 import oscar_hf.cache as cache_module
-from oscar_hf import OscarConfig, OscarLayer, OscarQuantizedCache, OscarRotations, cache_kwargs, hadamard_matrix
+from oscar_hf import (
+    DynamicOscarLayer,
+    OscarConfig,
+    OscarLayer,
+    OscarQuantizedCache,
+    OscarRotations,
+    StaticOscarLayer,
+    cache_kwargs,
+    hadamard_matrix,
+)
 from oscar_hf.attention import oscar_attention_forward
 from oscar_hf.evaluation import make_cache
 from oscar_hf.quantizer import dequantize, dequantize_per_channel, quantize, quantize_per_channel
@@ -27,7 +36,7 @@ def random_orthogonal(dim: int, seed: int) -> torch.Tensor:
 
 def make_layer(dim: int = D, **config) -> OscarLayer:
     cfg = OscarConfig(**{"sink_tokens": 4, "recent_tokens": 8, "flush_tokens": 4, **config})
-    return OscarLayer(cfg, random_orthogonal(dim, 1), random_orthogonal(dim, 2))
+    return DynamicOscarLayer(cfg, random_orthogonal(dim, 1), random_orthogonal(dim, 2))
 
 
 def expected_sequence(layer: OscarLayer, x: torch.Tensor, side: str, first_demoted: int) -> torch.Tensor:
@@ -142,8 +151,9 @@ def test_crop_right_after_an_update_leaves_what_the_kept_tokens_alone_leave(conf
     keys, values = rows(60, 0), rows(60, 1)
     for prompt, kept in itertools.product((3, 9, 30), (0, 2, 5)):  # demoting: the first tokens, a group, more
         cfg = OscarConfig(**{"sink_tokens": 4, "recent_tokens": 8, "flush_tokens": 4, **config})
-        cropped, straight = (OscarLayer(cfg, random_orthogonal(D, 1), random_orthogonal(D, 2),
-                                        max_cache_len=80 if static else None) for _ in range(2))
+        rotations = (random_orthogonal(D, 1), random_orthogonal(D, 2))
+        cropped, straight = (StaticOscarLayer(cfg, *rotations, 80) if static else DynamicOscarLayer(cfg, *rotations)
+                             for _ in range(2))
         for layer in (cropped, straight):
             layer.update(keys[:, :, :prompt], values[:, :, :prompt])
         assert cropped.is_croppable
@@ -216,7 +226,7 @@ def test_key_bits_store_keys_at_their_own_width():
     """4-bit K and 2-bit V: K codes twice as wide, each side reads back as the quantizer at its bits, and the
     stored bits per element are the analytic count."""
     cfg = OscarConfig(key_bits=4, sink_tokens=4, recent_tokens=8, flush_tokens=2, backend="torch")
-    layer = OscarLayer(cfg, torch.eye(64), torch.eye(64))
+    layer = DynamicOscarLayer(cfg, torch.eye(64), torch.eye(64))
     kv = torch.randn(2, 2, 3, 100, 64, generator=torch.Generator().manual_seed(5))
     layer.update(kv[0], kv[1])
     n = layer.n_history
@@ -242,7 +252,7 @@ def test_key_bits_layers_give_listed_layers_wider_keys():
         OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model, key_bits=4,
                                             key_bits_layers=[3])
     with pytest.raises(ValueError, match="for_layer"):
-        OscarLayer(OscarConfig(key_bits=4, key_bits_layers=[0]), torch.eye(64), torch.eye(64))
+        DynamicOscarLayer(OscarConfig(key_bits=4, key_bits_layers=[0]), torch.eye(64), torch.eye(64))
 
 
 def test_attention_matches_a_dense_reference_over_dequantized_kv():
@@ -300,7 +310,7 @@ def test_sliding_window_layers_fall_back_to_plain_sdpa():
     cache = OscarQuantizedCache.from_pretrained(OscarRotations.identity(model.config), model=model)
     got = model.generate(**inputs, max_new_tokens=10, do_sample=False, pad_token_id=0, past_key_values=cache)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
-    assert type(cache.layers[0]) is OscarLayer and cache.layers[1].is_sliding
+    assert type(cache.layers[0]) is DynamicOscarLayer and cache.layers[1].is_sliding
 
 
 def test_bundle_config_and_overrides():
@@ -467,7 +477,7 @@ def test_kivi_2_stores_what_its_bits_per_element_say():
 
 def test_per_channel_keys_bypass_the_triton_kernels(monkeypatch):
     triton = pytest.importorskip("triton")
-    from oscar_hf.kernels.triton_decode import kernel_supports
+    from oscar_hf.kernels.decode.launch import supports_call
 
     keys, values = rows(30, 0, dtype=torch.bfloat16), rows(30, 1, dtype=torch.bfloat16)
     layers = {backend: make_layer(backend=backend, **PER_CHANNEL) for backend in ("torch", "triton")}
@@ -476,8 +486,9 @@ def test_per_channel_keys_bypass_the_triton_kernels(monkeypatch):
     stored = {backend: layer.history.read(layer.n_history) for backend, layer in layers.items()}
     for name, t in stored["torch"].items():
         assert torch.equal(stored["triton"][name], t), f"{name}: the torch writer stores per-channel K"
-    monkeypatch.setattr(triton.knobs.runtime, "interpret", True)  # kernel_supports' stand-in for a CUDA query
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", True)  # supports_call's stand-in for a CUDA query
     per_token = make_layer()
     per_token.update(keys, values)
     query = rows(1, 2, dtype=torch.bfloat16)
-    assert kernel_supports(query, per_token, None) and not kernel_supports(query, layers["triton"], None)
+    assert supports_call(query, per_token.packed(), None, per_token.config.recent_tokens, per_token.length)
+    assert not supports_call(query, layers["triton"].packed(), None, 8, layers["triton"].length)

@@ -191,22 +191,22 @@ def test_a_static_layers_decode_launches_only_its_three_stages(masked, sink_toke
     """A static layer's decode step is q's rotation, stage 1 and stage 2, and no other kernel: a fill or copy (of a
     placeholder for an absent mask or an empty sink) between the kernel before and stage 1 would keep stage 1 from
     launching early."""
-    from oscar_hf import OscarConfig, OscarLayer
-    from oscar_hf.kernels.triton_decode import decode_on_device
+    from oscar_hf import OscarConfig, StaticOscarLayer
+    from oscar_hf.kernels.decode.triton import decode_static
     from oscar_hf.rotations import hadamard_matrix
 
     rotation = hadamard_matrix(128).float()
     config = OscarConfig(backend="triton", sink_tokens=sink_tokens, recent_tokens=8, flush_tokens=4)
-    layer = OscarLayer(config, rotation, rotation.T, max_cache_len=200)
+    layer = StaticOscarLayer(config, rotation, rotation.T, 200)
     kv = torch.randn(2, 1, 2, 101, 128, device="cuda").to(torch.bfloat16)
     layer.update(kv[0, :, :, :100], kv[1, :, :, :100])
     layer.update(kv[0, :, :, 100:], kv[1, :, :, 100:])  # a graph step
     query = torch.randn(1, 8, 1, 128, device="cuda").to(torch.bfloat16)
     mask = torch.ones(1, 1, 1, 200, dtype=torch.bool, device="cuda") if masked else None
-    decode_on_device(query, layer, mask, None)  # compiles
+    decode_static(query, layer.packed(), mask, None, layer.decode_splits, layer.key_rotation)  # compiles
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        decode_on_device(query, layer, mask, None)
+        decode_static(query, layer.packed(), mask, None, layer.decode_splits, layer.key_rotation)
         torch.cuda.synchronize()
     work = sorted(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
     assert len(work) == 3, work
@@ -216,13 +216,13 @@ def test_a_static_layers_decode_launches_only_its_three_stages(masked, sink_toke
 def test_a_step_left_to_the_attention_launches_the_append_and_two_stages():
     """A static layer's step as OscarQuantizedCache.update and the attention function run it: the append kernel
     (which rotates q as well), stage 1 and stage 2, and no other kernel."""
-    from oscar_hf import OscarConfig, OscarLayer
-    from oscar_hf.kernels.triton_decode import decode_on_device
+    from oscar_hf import OscarConfig, StaticOscarLayer
+    from oscar_hf.kernels.decode.triton import decode_static
     from oscar_hf.rotations import hadamard_matrix
 
     rotation = hadamard_matrix(128).float()
     config = OscarConfig(backend="triton", sink_tokens=4, recent_tokens=8, flush_tokens=4)
-    layer = OscarLayer(config, rotation, rotation.T, max_cache_len=200)
+    layer = StaticOscarLayer(config, rotation, rotation.T, 200)
     kv = torch.randn(2, 1, 2, 100, 128, device="cuda").to(torch.bfloat16)
     layer.update(kv[0], kv[1])
     steps = [torch.randn(2, 1, 2, 1, 128, device="cuda").to(torch.bfloat16) for _ in range(2)]  # contiguous K/V
@@ -230,7 +230,7 @@ def test_a_step_left_to_the_attention_launches_the_append_and_two_stages():
 
     def step(new):
         layer.update(new[0], new[1], leave_to_attention=True)
-        return decode_on_device(layer.store_pending(query), layer, None, None, query_rotated=True)
+        return decode_static(layer.store_pending(query), layer.packed(), None, None, layer.decode_splits)
 
     step(steps[0])  # compiles
     torch.cuda.synchronize()

@@ -1,7 +1,8 @@
 """Triton kernels against their pure-torch oracles: on the CPU under TRITON_INTERPRET=1 (set here), or compiled
 on CUDA tensors when a GPU is present and TRITON_INTERPRET is not set.
 
-Write kernel vs ``quantizer.quantize`` (bit for bit), decode kernel vs ``naive.attend`` and an fp32 reference,
+Write kernel vs ``quantizer.quantize`` (bit for bit), decode kernel vs its torch twin (``decode.reference.attend``)
+and an fp32 reference,
 the "triton" backend's dispatch, and ``model.generate`` with backend="triton" vs "torch".
 """
 
@@ -24,17 +25,24 @@ pytest.importorskip("triton")
 from conftest import make_model  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
-from oscar_hf import OscarConfig, OscarLayer, OscarQuantizedCache, OscarRotations, cache_kwargs  # noqa: E402
-from oscar_hf.kernels import (  # noqa: E402
-    ATTENTION_BACKENDS,
-    WRITE_BACKENDS,
-    naive,
-    quantize_kv,
-    triton_decode,
-    triton_dequant,
+from oscar_hf import (  # noqa: E402
+    DynamicOscarLayer,
+    OscarConfig,
+    OscarQuantizedCache,
+    OscarRotations,
+    StaticOscarLayer,
+    cache_kwargs,
 )
-from oscar_hf.kernels.triton_decode import DecodeConfig, _decode_stage2_kernel, attend, decode  # noqa: E402
-from oscar_hf.kernels.triton_write import kernel_supports, quantize_pack, quantize_pack_kv  # noqa: E402
+from oscar_hf.kernels import ATTENTION_BACKENDS, WRITE_BACKENDS, quantize_kv  # noqa: E402
+from oscar_hf.kernels import flags as kernel_flags  # noqa: E402
+from oscar_hf.kernels.decode import launch  # noqa: E402
+from oscar_hf.kernels.decode import reference as decode_reference  # noqa: E402
+from oscar_hf.kernels.decode import triton as decode_triton  # noqa: E402
+from oscar_hf.kernels.decode.launch import DecodeConfig  # noqa: E402
+from oscar_hf.kernels.decode.triton import _decode_stage2_kernel, decode  # noqa: E402
+from oscar_hf.kernels.dequantize import triton as dequantize_triton  # noqa: E402
+from oscar_hf.kernels.write.triton import quantize_pack, quantize_pack_kv  # noqa: E402
+from oscar_hf.kernels.write.triton import supports as write_supports  # noqa: E402
 from oscar_hf.quantizer import QuantizedRows, quantize, unpack  # noqa: E402
 from oscar_hf.rotations import hadamard_matrix  # noqa: E402
 
@@ -49,6 +57,23 @@ def assert_same_rows(got: QuantizedRows, want: QuantizedRows) -> None:
     for name, a, b in zip(want._fields, got, want):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert torch.equal(a, b), f"{name}: {(a != b).sum().item()} of {a.numel()} differ"
+
+
+def naive_attend(module, query, key, value, mask, scaling):
+    """The torch twin over the handles' layer, the handles' tokens read at full precision."""
+    return decode_reference.attend(module, query, key.layer.packed(), key.new, value.new, mask, scaling)
+
+
+def triton_attend(module, query, key, value, mask, scaling):
+    """The "triton" backend over the handles' layer (the kernel where it serves the call, else the twin)."""
+    layer = key.layer
+    return ATTENTION_BACKENDS["triton"](module, query, layer.packed(), key.new, value.new, mask, scaling,
+                                        layer.config.recent_tokens)
+
+
+def kernel_serves(query, layer, mask) -> bool:
+    return launch.supports_call(query, layer.packed(), mask, layer.config.recent_tokens,
+                                layer.max_cache_len or layer.length)
 
 
 def test_backends_registered():
@@ -125,7 +150,7 @@ def test_write_kernel_falls_back_to_the_oracle():
     x96 = randn(8, 96, seed=4)  # not a power of two
     assert_same_rows(quantize_pack(x96, clip=0.96), quantize(x96, clip=0.96))
     # a group narrower than a channel sub-tile (INT4 at D=128: W = 64 > 32)
-    assert not kernel_supports(x, 32, "uniform", 4) and kernel_supports(x, 64, "uniform", 4)
+    assert not write_supports(x, 32, "uniform", 4) and write_supports(x, 64, "uniform", 4)
     assert_same_rows(quantize_pack(x, bits=4, group_size=32), quantize(x, bits=4, group_size=32))
 
 
@@ -161,7 +186,7 @@ def filled_layer(batch, heads, dim, n_history, dtype, *, sink=4, recent=8, pads=
     ``key_ramp`` scales the keys up along the sequence (to ``1 + key_ramp`` times), so the logits' max keeps rising;
     ``spike``: (position, keys ``[B, H, D]``) replaces the keys there."""
     cfg = OscarConfig(sink_tokens=sink, recent_tokens=recent, flush_tokens=1, backend="torch", **config)
-    layer = OscarLayer(cfg, torch.eye(dim), torch.eye(dim))
+    layer = DynamicOscarLayer(cfg, torch.eye(dim), torch.eye(dim))
     total = sink + n_history + recent  # flush_tokens=1: every token past the windows is demoted at once
     kv = randn(2, batch, heads, total, dim, seed=seed)
     kv[0] *= 1 + key_ramp * torch.linspace(0, 1, total, device=kv.device)[:, None]
@@ -192,17 +217,17 @@ TOLERANCE = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 
 
 def check_decode(batch, heads, groups, dim, n_history, dtype, config=None, seed=0, spike=None, **kwargs):
-    """Checks ``decode`` on :func:`filled_layer` against naive.attend and fp32; returns the query and the layer.
+    """Checks ``decode`` on :func:`filled_layer` against the torch twin and fp32; returns the query and the layer.
     ``spike``: (position, factor): the key there is ``factor`` times the sum of its group's queries."""
     query = randn(batch, heads * groups, 1, dim, seed=seed + 1).to(dtype)
     if spike is not None:
         kwargs["spike"] = spike[0], spike[1] * query.float().reshape(batch, heads, groups, dim).sum(2)
     layer, (key, value), mask = filled_layer(batch, heads, dim, n_history, dtype, seed=seed, **kwargs)
-    got = decode(query, layer, mask, None, config)
-    want = naive.attend(Attn(groups), query, key, value, mask, None)
+    got = decode(query, layer.packed(), mask, None, config)
+    want = naive_attend(Attn(groups), query, key, value, mask, None)
     exact = fp32_reference(query, layer, mask, groups)
     assert got.shape == want.shape == (batch, 1, heads * groups, dim) and got.dtype == dtype
-    # As close to the fp32 result as naive.attend is, up to one more rounding: the kernel feeds p (p·s for the
+    # As close to the fp32 result as the torch twin is, up to one more rounding: the kernel feeds p (p·s for the
     # history, whose rounding then weighs a code's distance from the middle one, at most 1.5 steps of s) to the
     # tensor cores in the model dtype, as flash attention does; naive's CPU SDPA keeps p in fp32
     err, naive_err = (got.float() - exact).abs().max().item(), (want.float() - exact).abs().max().item()
@@ -251,7 +276,7 @@ def test_decode_many_splits_and_partial_tiles(dim, dtype, split_bytes, splits):
     partial tile among whole ones."""
     config = DecodeConfig(block_n=32, min_split_bytes=split_bytes)
     hist_bytes = 2 * (dim // 4 + 4)  # K and V codes, scale and zero per token
-    assert math.ceil(301 / triton_decode.plan_splits(2 * 2, 301, hist_bytes, config, 132)) == splits
+    assert math.ceil(301 / launch.plan_splits(2 * 2, 301, hist_bytes, config, 132)) == splits
     check_decode(2, 2, 4, dim, 301, dtype, config=config, sink=40, recent=70, pads=(0, 45))
 
 
@@ -287,10 +312,10 @@ def test_decode_a_key_far_above_the_running_max(factor, rises):
 ], ids=lambda v: DTYPE_IDS.get(v, str(v)))
 def test_decode_several_query_tokens(q_len, groups, dim, dtype, masked):
     """A verify step: the q newest tokens (in the recent window) against sink, history and recent, causal among
-    themselves; a left-padded row; equal to naive.attend over the same handles."""
+    themselves; a left-padded row; equal to the torch twin over the same handles."""
     batch, heads, total = 2, 2, 260
     cfg = OscarConfig(sink_tokens=4, recent_tokens=8, flush_tokens=1, backend="torch")
-    layer = OscarLayer(cfg, torch.eye(dim), torch.eye(dim))
+    layer = DynamicOscarLayer(cfg, torch.eye(dim), torch.eye(dim))
     kv = randn(2, batch, heads, total, dim, seed=21)
     if masked:
         kv[:, 1, :, :13] = 30.0  # padding of row 1: huge K/V, a leak would show
@@ -302,19 +327,19 @@ def test_decode_several_query_tokens(q_len, groups, dim, dtype, masked):
         mask = torch.ones(batch, 1, q_len, total, dtype=torch.bool, device=DEVICE).tril(total - q_len)
         mask[1, ..., :13] = False
     query = randn(batch, heads * groups, q_len, dim, seed=22).to(dtype)
-    assert triton_decode.kernel_supports(query, layer, mask)
-    got = decode(query, layer, mask, None)
-    want = naive.attend(Attn(groups), query, *handles, mask, None)
+    assert kernel_serves(query, layer, mask)
+    got = decode(query, layer.packed(), mask, None)
+    want = naive_attend(Attn(groups), query, *handles, mask, None)
     assert got.shape == want.shape == (batch, q_len, heads * groups, dim)
     torch.testing.assert_close(got.float(), want.float(), rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
     # causal among the query tokens: changing the newest token's K and V changes the last output only
     layer._unroll_recent()
     for side in ("key", "value"):
         layer.recent[side][:, :, layer.n_recent - 1] += 3.0
-    changed = decode(query, layer, mask, None)
+    changed = decode(query, layer.packed(), mask, None)
     assert torch.equal(changed[:, :-1], got[:, :-1]) and not torch.equal(changed[:, -1], got[:, -1])
     too_many = query.new_zeros(batch, heads * groups, 9, dim)
-    assert not triton_decode.kernel_supports(too_many, layer, None)  # more than the recent window
+    assert not kernel_serves(too_many, layer, None)  # more than the recent window
 
 
 @pytest.mark.parametrize("batch, tokens, per_sm, windows_in_wave", [
@@ -326,12 +351,12 @@ def test_history_chunks_fill_one_wave(batch, tokens, per_sm, windows_in_wave):
     window programs (5 per head) are more than half as many (batch 32 at 4K). The window programs share the wave
     when that costs at most a tenth of the splits, else the history programs alone fill it (without the cap on
     history programs per SM: test_history_programs_capped_where_windows_are_few)."""
-    cfg = DecodeConfig(**{**vars(triton_decode.default_config(batch, 128)), "max_history_programs_per_sm": 0.0})
+    cfg = DecodeConfig(**{**vars(launch.default_config(batch, 128)), "max_history_programs_per_sm": 0.0})
     heads, n_hist = batch * 8, tokens - 320
     slots, windows = per_sm * 132, batch * 8 * 5
-    chunk = triton_decode.plan_splits(heads, n_hist, 2 * (32 + 4), cfg, 132, windows)
+    chunk = launch.plan_splits(heads, n_hist, 2 * (32 + 4), cfg, 132, windows)
     fixed = DecodeConfig(**{**vars(cfg), "programs_per_sm": per_sm, "min_program_tiles": 0})
-    assert chunk == triton_decode.plan_splits(heads, n_hist, 2 * (32 + 4), fixed, 132, windows)
+    assert chunk == launch.plan_splits(heads, n_hist, 2 * (32 + 4), fixed, 132, windows)
     programs = math.ceil(n_hist / chunk) * heads
     assert chunk >= cfg.min_program_tiles * cfg.block_n or per_sm == 8 or 2 * windows > programs
     assert chunk % cfg.block_n == 0 and programs <= slots
@@ -346,11 +371,11 @@ def test_history_programs_capped_where_windows_are_few(batch, tokens, splits, un
     """Qwen3-8B shapes on 132 SMs: at most 7.7 history programs per SM (1016) where the window programs (5 per head)
     are at least one per SM and at most half as many, i.e. at batches 4 and 8; batches 1 and 2 (fewer window
     programs) and 16 and 32 (more) keep their splits."""
-    cfg, heads, n_hist = triton_decode.default_config(batch, 128), batch * 8, tokens - 320
-    chunk = triton_decode.plan_splits(heads, n_hist, 72, cfg, 132, heads * 5)
+    cfg, heads, n_hist = launch.default_config(batch, 128), batch * 8, tokens - 320
+    chunk = launch.plan_splits(heads, n_hist, 72, cfg, 132, heads * 5)
     free = DecodeConfig(**{**vars(cfg), "max_history_programs_per_sm": 0.0})
     assert math.ceil(n_hist / chunk) == splits and chunk % cfg.block_n == 0
-    assert math.ceil(n_hist / triton_decode.plan_splits(heads, n_hist, 72, free, 132, heads * 5)) == uncapped
+    assert math.ceil(n_hist / launch.plan_splits(heads, n_hist, 72, free, 132, heads * 5)) == uncapped
     assert splits * heads <= 1016 or splits == uncapped
 
 
@@ -367,7 +392,7 @@ def test_window_programs_share_the_wave_when_cheap():
     """Batch 8 at 4K, 12 programs per SM: 20 splits per head would spill 16 programs into a second wave behind the
     320 window programs; 15 splits (whole 4-tile chunks) leave them room."""
     cfg = DecodeConfig(block_n=64, programs_per_sm=12, min_split_bytes=8 * 1024)
-    chunk = triton_decode.plan_splits(64, 4096 - 320, 72, cfg, 132, 320)
+    chunk = launch.plan_splits(64, 4096 - 320, 72, cfg, 132, 320)
     assert math.ceil((4096 - 320) / chunk) == 15 and 15 * 64 + 320 <= 12 * 132
 
 
@@ -377,12 +402,12 @@ def test_window_programs_prefetch_where_few_and_last(batch, tokens, prefetch):
     """Qwen3-8B shapes on 132 SMs: the 5 window programs per head prefetch their rows where they are at most one per
     two SMs (batch 1) and the history chunks are at most 8 tiles (so the window programs would finish last); a
     config's explicit choice wins."""
-    cfg, n_hist = triton_decode.default_config(batch, 128), tokens - 320
-    hist_splits = math.ceil(n_hist / triton_decode.plan_splits(batch * 8, n_hist, 72, cfg, 132, batch * 8 * 5))
+    cfg, n_hist = launch.default_config(batch, 128), tokens - 320
+    hist_splits = math.ceil(n_hist / launch.plan_splits(batch * 8, n_hist, 72, cfg, 132, batch * 8 * 5))
     splits, cpu = [hist_splits, 1, hist_splits + 5, 2], torch.device("cpu")
-    assert triton_decode._window_prefetch(cfg, batch * 8, n_hist, splits, cpu) == prefetch
+    assert launch.window_prefetch(cfg, batch * 8, n_hist, splits, cpu) == prefetch
     forced = DecodeConfig(**{**vars(cfg), "window_prefetch": not prefetch})
-    assert triton_decode._window_prefetch(forced, batch * 8, n_hist, splits, cpu) == (not prefetch)
+    assert launch.window_prefetch(forced, batch * 8, n_hist, splits, cpu) == (not prefetch)
 
 
 @pytest.mark.parametrize("batch, tokens, tiles", [(1, 4096, 1), (1, 16384, 1), (1, 131072, 2), (8, 4096, 1),
@@ -392,15 +417,15 @@ def test_window_chunks_of_one_tile_where_history_programs_are_short(batch, token
     history programs, planned for chunks of two, read at most 8 tiles each (twice the window programs, each half as
     long), else two; a config's window_tiles wins."""
     config = OscarConfig(sink_tokens=64, recent_tokens=256, backend="torch")
-    layer = OscarLayer(config, torch.eye(128), torch.eye(128), max_cache_len=tokens)
+    layer = StaticOscarLayer(config, torch.eye(128), torch.eye(128), tokens)
     x = torch.zeros(batch, 8, 1, 128, dtype=torch.bfloat16)
     layer.lazy_initialization(x, x)
-    hist_splits, sink_splits, total, window_tiles = triton_decode.plan(layer, batch)
-    chunk = window_tiles * triton_decode.WINDOW_BLOCK[128]
+    hist_splits, sink_splits, total, window_tiles = launch.plan(layer.packed(), batch)
+    chunk = window_tiles * launch.WINDOW_BLOCK[128]
     assert window_tiles == tiles
     assert sink_splits == math.ceil(layer.sink.capacity / chunk)
     assert total - hist_splits - sink_splits == math.ceil(layer.recent.capacity / chunk)
-    two = triton_decode.plan(layer, batch, config=DecodeConfig(**{**vars(triton_decode.default_config(batch, 128)),
+    two = launch.plan(layer.packed(), batch, config=DecodeConfig(**{**vars(launch.default_config(batch, 128)),
                                                                    "window_tiles": 2}))
     assert two[3] == 2 and (tiles == 2) == (two == [hist_splits, sink_splits, total, window_tiles])
     assert (layer.history.capacity <= 8 * 64 * two[0]) == (tiles == 1)
@@ -449,22 +474,22 @@ def test_decode_key_bits(key_bits, bits, dim, group, dtype):
     check_decode(1, 2, 2, dim, 70, dtype, key_bits=key_bits, bits=bits, group_size=group, centering=False)
 
 
-def test_attend_dispatches_everything_else_to_naive():
-    """More query tokens than the recent window holds (a prefill chunk: naive.attend over the dequantize kernel's
+def test_attend_dispatches_everything_else_to_the_torch_twin():
+    """More query tokens than the recent window holds (a prefill chunk: the torch twin over the dequantize kernel's
     buffer), fp32 models and a newest token already quantized (recent_tokens=0) run naive."""
     cases = [dict(q_len=10), dict(dtype=torch.float32), dict(recent=0)]
     for case in cases:
         dtype = case.get("dtype", torch.bfloat16)
         cfg = OscarConfig(sink_tokens=4, recent_tokens=case.get("recent", 8), flush_tokens=1, backend="torch")
-        layer = OscarLayer(cfg, torch.eye(64), torch.eye(64))
+        layer = DynamicOscarLayer(cfg, torch.eye(64), torch.eye(64))
         kv = randn(2, 1, 2, 40, 64, seed=8).to(dtype)
         layer.update(kv[0, :, :, :27], kv[1, :, :, :27])
         q_len = case.get("q_len", 1)
         key, value = layer.update(kv[0, :, :, 27 : 27 + q_len], kv[1, :, :, 27 : 27 + q_len])
         query = randn(1, 4, q_len, 64, seed=9).to(dtype)
-        got = attend(Attn(2), query, key, value, None, None)
+        got = triton_attend(Attn(2), query, key, value, None, None)
         exact = dtype == torch.float32  # (the interpreter rounds a dequantized bf16 history toward zero, see below)
-        torch.testing.assert_close(got, naive.attend(Attn(2), query, key, value, None, None),
+        torch.testing.assert_close(got, naive_attend(Attn(2), query, key, value, None, None),
                                    rtol=0 if exact else 2e-2, atol=0 if exact else 2e-2)
 
 
@@ -479,7 +504,7 @@ def test_dequantize_kernel_equals_materialize(dtype, bits, group, centering, key
     bf16 within one ulp (TRITON_INTERPRET=1 rounds fp32 → bf16 toward zero; the GPU rounds to nearest even)."""
     cfg = OscarConfig(sink_tokens=8, recent_tokens=16, flush_tokens=4, centering=centering, bits=bits,
                       key_bits=key_bits, group_size=group, backend="torch")
-    layer = OscarLayer(cfg, torch.eye(128), torch.eye(128))
+    layer = DynamicOscarLayer(cfg, torch.eye(128), torch.eye(128))
     kv = randn(2, 2, 3, 203, 128, seed=11).to(dtype)
     layer.update(kv[0], kv[1])
     layer.recent_start = 5  # as after graph steps: the ring's oldest row is row 5
@@ -490,7 +515,7 @@ def test_dequantize_kernel_equals_materialize(dtype, bits, group, centering, key
     assert (sink, layer.n_recent) == (8, 16) and hist > 100
     for past in (0, 3, sink, sink + 1, 100, sink + hist, sink + hist + 2, layer.length):
         for side in ("key", "value"):
-            got = layer.materialize(side, past, new=new, dequantize_into=triton_dequant.dequantize_into)
+            got = layer.materialize(side, past, new=new, fill=dequantize_triton.fill_history)
             want = torch.cat([layer.materialize(side)[:, :, :past], new], dim=2)  # the whole sequence, sliced
             assert got.shape == want.shape == (2, 3, past + 5, 128) and got.dtype == dtype
             if dtype == torch.bfloat16:
@@ -553,8 +578,8 @@ def test_chunks_of_several_tokens_through_the_model(monkeypatch):
     ids, mask = ids.to(DEVICE), mask.to(DEVICE)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     query_lengths = []
-    decode_ = triton_decode.decode
-    monkeypatch.setattr(triton_decode, "decode", lambda query, *a: query_lengths.append(query.shape[2]) or decode_(
+    decode_ = decode_triton.decode
+    monkeypatch.setattr(decode_triton, "decode", lambda query, *a: query_lengths.append(query.shape[2]) or decode_(
         query, *a))
 
     def chunked(backend):
@@ -577,7 +602,8 @@ def test_chunks_of_several_tokens_through_the_model(monkeypatch):
 
 def test_cache_quantizes_through_the_triton_writer():
     cfg = dict(sink_tokens=2, recent_tokens=4, flush_tokens=2)
-    layers = {b: OscarLayer(OscarConfig(backend=b, **cfg), torch.eye(64), torch.eye(64)) for b in ("torch", "triton")}
+    layers = {b: DynamicOscarLayer(OscarConfig(backend=b, **cfg), torch.eye(64), torch.eye(64))
+              for b in ("torch", "triton")}
     kv = randn(2, 2, 3, 25, 64, seed=10).to(torch.bfloat16)
     for layer in layers.values():
         layer.update(kv[0, :, :, :20], kv[1, :, :, :20])
@@ -605,7 +631,7 @@ def static_and_host_layers(dim, *, max_len=120, **config):
     generator = torch.Generator().manual_seed(3)
     signs = torch.randint(0, 2, (dim, 1), generator=generator) * 2 - 1
     rotation = (hadamard_matrix(dim)[torch.randperm(dim, generator=generator)] * signs).float()
-    return (OscarLayer(cfg, rotation, rotation.T, max_cache_len=max_len), OscarLayer(cfg, rotation, rotation.T))
+    return (StaticOscarLayer(cfg, rotation, rotation.T, max_len), DynamicOscarLayer(cfg, rotation, rotation.T))
 
 
 @pytest.mark.parametrize(
@@ -655,7 +681,7 @@ def test_query_rotation_kernel_equals_the_rotate_gemm(dim, q_len, dtype):
     q that attention receives (``[B, q, Hq, D]`` transposed), for rows that do not fill its row block. On values whose
     sums are exact in fp32 (multiples of 1/4 below 64 times ±1: an unnormalised Hadamard), both round once."""
     from oscar_hf.cache import rotate
-    from oscar_hf.kernels.triton_decode import rotate_query
+    from oscar_hf.kernels.decode.triton import rotate_query
 
     signs = hadamard_matrix(dim) * dim**0.5
     rotation = signs[torch.randperm(dim, generator=torch.Generator().manual_seed(1))].to(dtype)
@@ -715,7 +741,7 @@ def test_a_token_left_to_the_attention_is_stored_by_the_layers_next_use():
 def test_a_layer_without_a_key_rotation_leaves_the_query_as_it_is():
     """With R_K the identity the pending token is stored and no rotated query is returned (the decode reads q)."""
     cfg = OscarConfig(backend="triton", sink_tokens=2, recent_tokens=4, flush_tokens=2)
-    layer = OscarLayer(cfg, torch.eye(64), torch.eye(64), max_cache_len=20)
+    layer = StaticOscarLayer(cfg, torch.eye(64), torch.eye(64), 20)
     kv = ((randn(2, 1, 2, 7, 64, seed=7) * 8).round() / 4).to(torch.bfloat16)
     layer.update(kv[0, :, :, :6], kv[1, :, :, :6])
     layer.update(kv[0, :, :, 6:], kv[1, :, :, 6:], leave_to_attention=True)
@@ -724,10 +750,50 @@ def test_a_layer_without_a_key_rotation_leaves_the_query_as_it_is():
     torch.testing.assert_close(layer.materialize("key"), kv[0], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dim, key_bits, centered, clips", [(64, 2, True, (0.96, 0.92)), (256, 4, False, (1.0, 1.0))],
+                         ids=["D64-centered-clipped", "D256-k4"])
+def test_append_kernel_equals_its_torch_twin(dim, key_bits, centered, clips):
+    """The append kernel and its twin over PackedKVs built without a cache: the same windows, history, means,
+    counts, flags and rotated queries after every step, through sink, window, demotions and a full cache. K/V and q
+    are multiples of 1/4 below 64 and the rotation a signed Hadamard permutation, so every sum is exact."""
+    from oscar_hf.kernels import PackedKV
+    from oscar_hf.kernels.append import reference as append_reference
+    from oscar_hf.kernels.append import triton as append_triton
+
+    batch, heads, groups, sink, recent, flush, max_len = 2, 2, 2, 2, 3, 2, 14
+    generator = torch.Generator().manual_seed(5)
+    signs = torch.randint(0, 2, (dim, 1), generator=generator) * 2 - 1
+    rotation = (hadamard_matrix(dim)[torch.randperm(dim, generator=generator)] * signs).to(torch.bfloat16)
+    rotation = rotation.to(DEVICE)
+
+    def storage():
+        packed = PackedKV.empty(batch, heads, dim, sink=sink, history=max_len - sink - recent, recent=recent + flush,
+                                device=DEVICE, key_bits=key_bits, centered=centered)
+        for t in (*packed.windows, *packed.history, *packed.centers):
+            t.zero_()
+        packed.counts = torch.tensor([0, 0, 0, 0, -1, -1, -1, -1], dtype=torch.int32, device=DEVICE)
+        return packed, torch.zeros(2, dtype=torch.int32, device=DEVICE)
+
+    (got, got_flags), (want, want_flags) = storage(), storage()
+    ints = torch.randint(-255, 256, (3, max_len + 2, batch, heads * groups, 1, dim), generator=generator)
+    steps = (ints / 4).to(torch.bfloat16).to(DEVICE)
+    kwargs = dict(max_len=max_len, sink_tokens=sink, limit=recent + flush - 1, flush=flush, k_clip=clips[0],
+                  v_clip=clips[1], key_rotation=rotation, value_rotation=rotation.T.contiguous())
+    for key, value, query in zip(*steps):
+        key, value = key[:, :heads], value[:, :heads]
+        q_got = append_triton.append(got, key, value, flags=got_flags, query=query, **kwargs)
+        q_want = append_reference.append(want, key, value, flags=want_flags, query=query, **kwargs)
+        assert torch.equal(q_got, q_want)
+        assert torch.equal(got.counts, want.counts) and torch.equal(got_flags, want_flags)
+        for a, b in zip((*got.windows, *got.history, *got.centers), (*want.windows, *want.history, *want.centers)):
+            assert torch.equal(a, b)
+    assert got.lengths()[1] > 0 and got_flags[0].item() == kernel_flags.FULL  # demoted, and ended full
+
+
 def test_graph_step_decode_equals_the_host_decode():
     """The decode operator (planned once for the capacities, counts and ring start read on the device; q rotated by
     its stage 0) gives the host launch's output over the same tokens, a left-padded row included."""
-    from oscar_hf.kernels.triton_decode import decode_on_device
+    from oscar_hf.kernels.decode.triton import decode_static
 
     static, host = static_and_host_layers(128, max_len=400, sink_tokens=4, recent_tokens=8, flush_tokens=3)
     kv = randn(2, 2, 2, 300, 128, seed=12).to(torch.bfloat16)
@@ -741,8 +807,8 @@ def test_graph_step_decode_equals_the_host_decode():
             layer.update(kv[0, :, :, t : t + 1], kv[1, :, :, t : t + 1])
         if t % 7 == 0:
             query = randn(2, 8, 1, 128, seed=t).to(torch.bfloat16)
-            got = decode_on_device(query, static, mask, None)
-            want = decode(host.rotate_keys(query), host, mask[..., :301], None)
+            got = decode_static(query, static.packed(), mask, None, static.decode_splits, static.key_rotation)
+            want = decode(host.rotate_keys(query), host.packed(), mask[..., :301], None)
             torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
     assert static.recent_start != 0
 
@@ -755,7 +821,7 @@ def test_graph_step_flags_a_full_cache_and_non_finite_rows():
     static.update(kv[0, :, :, 20:21], kv[1, :, :, 20:21])  # the 21st token: flagged on the device, not stored
     with pytest.raises(ValueError, match="full"):
         static.get_seq_length()
-    for side, flag in ((0, 1), (1, 4)):  # K's and V's programs flag their own bits (triton_write's layout)
+    for side, flag in ((0, 1), (1, 4)):  # K's and V's programs flag their own bits (the flag layout of kernels.flags)
         static.reset()
         assert static.get_seq_length() == 0 and static.flags.tolist() == [0, 0]
         bad = kv.clone()

@@ -86,7 +86,7 @@ def test_gemma3_head_dim_256_with_sliding_layers_is_served():
     )
     got = model.generate(**inputs, max_new_tokens=10, do_sample=False, pad_token_id=0, past_key_values=cache)
     assert (got == expected).all()
-    assert [type(layer).__name__ for layer in cache.layers][2] == "OscarLayer"
+    assert [type(layer).__name__ for layer in cache.layers][2] == "DynamicOscarLayer"
 
 
 def test_supported_architectures_report_their_shape(arch):

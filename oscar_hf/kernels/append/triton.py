@@ -1,26 +1,16 @@
-"""Triton append kernel: one decode step's K/V, rotated, into a static OscarLayer, counts read and advanced on the
-device.
+"""Triton append kernel: one decode step's K and V, rotated, into a static layer's PackedKV, with the counts read and
+advanced on the device (no host synchronisation). Twin: :func:`oscar_hf.kernels.append.reference.append`.
 
-The pure-torch twin (and oracle) is the layer's eager path, ``OscarLayer._append``: the new token goes to the sink
-while it has room, else to the recent window; when that window is full (``recent_tokens + flush_tokens - 1``
-tokens), its ``flush_tokens`` oldest tokens are first centered (the means set when the history is empty),
-clipped, quantized and packed into the history, with the write kernel's tile code (``triton_write._quantize_tile``).
-
-The token is rotated in the kernel (``x @ R`` on the tensor cores from the model-dtype K or V and rotation, fp32
-sums rounded once to nearest even, as the GEMM of ``cache.rotate`` does up to the order of its sums), which saves
-the step a GEMM launch per rotated side. Given the step's query (:func:`append_token_rotating_query`, which the
-attention function calls through ``OscarLayer.store_pending``), each K program puts its GQA group's query rows in
-the key's dot with R_K and writes them rotated, in place of the decode's stage 0 (H200, Qwen3-8B, 128K: the forward
-5.56 → 5.48 ms). K and V have a program each per (batch, head), so that their rotations and demotions run side by
-side. On sm_90 the kernel is launched early (programmatic dependent launch) and loads the rotations (from DRAM: the
-weights evict them from L2) while the kernel before it runs, and asks L2 for the ring rows of a demotion then.
-The recent window is a ring buffer of ``recent_tokens + flush_tokens`` rows starting at ``counts[3]``: demotion moves no
-data, and the new token never lands on a row being demoted. No host synchronisation: every program reads the counts, and
-the last one to arrive (an atomic count in ``flags[1]``, which it resets) writes them advanced, in place of a kernel of
-its own, with the counts it started from beside them (``counts[4:8]``: undoing the step is restoring them, as the ring
-rows it demoted and the history rows it wrote are past the restored counts); errors (non-finite K/V, a scale overflow, a
-full cache) are or-ed into the flag word ``flags[0]`` that the layer checks on its next host-side use
-(``triton_write.raise_for_flags``).
+The token goes to the sink while it has room, else to the recent window, a ring buffer of ``limit + 1`` rows starting
+at ``counts[3]``; when the window holds ``limit`` tokens, its ``flush`` oldest rows are first centered (the first rows
+to reach an empty history set the means), clipped, quantized and packed into the history with the write kernel's tile
+(:func:`oscar_hf.kernels.triton_utils.quantize_tile`), and the ring start moves past them: demotion moves no data, and
+the new token never lands on a demoted row. Rotation runs on the tensor cores (fp32 sums, rounded once to nearest
+even); given the step's query, the K program rotates its GQA group's query rows in the same dot. K and V each have a
+program per (batch, head). Every program reads the counts; the last to arrive (an atomic count in ``flags[1]``, which
+it resets) writes them advanced, with the counts it started from in ``counts[4:8]``, so that undoing the step is
+restoring them. Errors (non-finite K/V, a scale overflow, a full cache) are or-ed into ``flags[0]``
+(:mod:`oscar_hf.kernels.flags`). Design notes: ``docs/kernels/append.md``.
 """
 
 from __future__ import annotations
@@ -29,11 +19,23 @@ import torch
 import triton
 import triton.language as tl
 
-from . import has_pdl, on_device_of
-from .triton_decode import _dot, _prefetch_window, layer_tensors, to_nearest_even
-from .triton_write import FULL_FLAG, TL_DTYPES, _quantize_tile, _store_rows, kernel_clip_index
+from ..flags import FULL as FULL_FLAG
+from ..flags import KEY_SHIFT, VALUE_SHIFT
+from ..packed import PackedKV
+from ..triton_utils import (
+    TL_DTYPES,
+    dot,
+    kernel_clip_index,
+    prefetch_window,
+    quantize_tile,
+    store_rows,
+    to_nearest_even,
+)
+from ..utils import has_pdl, on_device_of
 
 FULL = tl.constexpr(FULL_FLAG)
+K_FLAGS = tl.constexpr(KEY_SHIFT)
+V_FLAGS = tl.constexpr(VALUE_SHIFT)
 
 
 @triton.jit
@@ -77,8 +79,8 @@ def _demote_rows(xs, centers, codes, scale, zero, stride_cn, stride_zn, n_hist, 
                 tl.store(mu + i * W + tl.arange(0, W), centers[i])
             centered = centered + (tl.where(live[:, None], xs[i] - centers[i][None, :], 0.0),)
         xs = centered
-    packed, scales, zeros, flag = _quantize_tile(xs, tiny, CLIP_INDEX, GROUP, BITS, SCALE_DT)
-    _store_rows(codes, scale, zero, (n_hist + r).to(tl.int64), stride_cn, stride_zn, live, packed, scales, zeros)
+    packed, scales, zeros, flag = quantize_tile(xs, tiny, CLIP_INDEX, GROUP, BITS, SCALE_DT)
+    store_rows(codes, scale, zero, (n_hist + r).to(tl.int64), stride_cn, stride_zn, live, packed, scales, zeros)
     return flag
 
 
@@ -112,7 +114,7 @@ def _token(x_ptr, r_ptr, blocks, D: tl.constexpr, ROTATE: tl.constexpr, FP32_DOT
                 r = blocks[i // CHUNK]
             else:
                 r = tl.load(r_ptr + inner[:, None] * D + cols[None, :])
-            acc = _dot(x, r, acc, FP32_DOT)
+            acc = dot(x, r, acc, FP32_DOT)
         row = to_nearest_even(tl.sum(acc, axis=0), x_ptr.dtype.element_ty)  # row 0: the others are zero
     else:
         row = tl.load(x_ptr + cols)
@@ -137,7 +139,7 @@ def _key_and_queries(x_ptr, q_ptr, stride_qh, q_out, r_ptr, blocks, D: tl.conste
             r = blocks[i // CHUNK]
         else:
             r = tl.load(r_ptr + inner[:, None] * D + cols[None, :])
-        acc = _dot(tl.where(rows[:, None] == 0, k, q), r, acc, FP32_DOT)
+        acc = dot(tl.where(rows[:, None] == 0, k, q), r, acc, FP32_DOT)
     tl.store(q_out + (rows[:, None] - 1) * D + cols[None, :], to_nearest_even(acc, q_out.dtype.element_ty),
              mask=is_q[:, None])
     return to_nearest_even(tl.sum(tl.where(rows[:, None] == 0, acc, 0.0), axis=0), x_ptr.dtype.element_ty)
@@ -164,7 +166,7 @@ def _append_side(
     ring = ring_ptr + b * stride_rb + h * stride_rh
     if PDL:
         if (tl.load(counts_ptr) >= SINK) & (tl.load(counts_ptr + 2) == LIMIT):
-            _prefetch_window((ring,), 0, FLUSH, stride_rn, tl.load(counts_ptr + 3), CAP, BLOCK_F, D)
+            prefetch_window((ring,), 0, FLUSH, stride_rn, tl.load(counts_ptr + 3), CAP, BLOCK_F, D)
         tl.extra.cuda.gdc_wait()
     n_sink = tl.load(counts_ptr)
     n_hist = tl.load(counts_ptr + 1)
@@ -188,7 +190,7 @@ def _append_side(
         tl.store(counts_ptr + 1, n_hist + demoted)
         tl.store(counts_ptr + 2, n_rec + to_recent.to(tl.int32) - demoted)
         tl.store(counts_ptr + 3, (start + demoted) % CAP)
-        tl.store(counts_ptr + 4, n_sink)  # the counts before this step: OscarLayer.crop(-1) restores them
+        tl.store(counts_ptr + 4, n_sink)  # the counts before this step: undoing it restores them
         tl.store(counts_ptr + 5, n_hist)
         tl.store(counts_ptr + 6, n_rec)
         tl.store(counts_ptr + 7, start)
@@ -228,9 +230,7 @@ def _append_token_kernel(
     G_Q: tl.constexpr, BLOCK_Q: tl.constexpr,
 ):
     # grid (B·H, 2): a program per (batch, KV head) and side, K (with the query rows) or V, so that the two sides'
-    # rotations and demotions run side by side (a demotion step's append was their sum), of 8 warps (the demotion's
-    # clip rounds: H200, Qwen3-8B's heads, eager launches, a demotion step 12.9 µs with one 4-warp program per head,
-    # 8.1 with 4 warps per side, 6.5 with 8; other steps 6.3, 4.5, 4.1 µs). PDL: launched early, a
+    # rotations and demotions run side by side, of 8 warps (the demotion's clip rounds). PDL: launched early, a
     # program loads its (constant) rotation while the kernel before runs, and asks L2 for the ring rows a demotion
     # would take by the counts it finds then (a crop may change them until the wait); then it waits for that
     # kernel's K and V. The kernels after it launch when it exits, as they read what it writes (some before their
@@ -240,18 +240,19 @@ def _append_token_kernel(
                      stride_rh, stride_rn, kc_ptr, ks_ptr, kz_ptr, stride_kcb, stride_kch, stride_kcn, stride_zb,
                      stride_zh, stride_zn, mu_k_ptr, stride_mu_b, stride_mu_h, rot_k_ptr, q_ptr, stride_qb, stride_qh,
                      q_out_ptr, counts_ptr, flag_ptr, tiny, H, max_len, SINK, LIMIT, CAP, FLUSH, BLOCK_F, CENTERED,
-                     K_CLIP_INDEX, D, GROUP, K_BITS, SCALE_DT, ROTATE_K, FP32_DOT, PDL, G_Q, BLOCK_Q, 0)
-    else:  # triton_write's flag layout: K's flags at bit 0, V's at 2
+                     K_CLIP_INDEX, D, GROUP, K_BITS, SCALE_DT, ROTATE_K, FP32_DOT, PDL, G_Q, BLOCK_Q, K_FLAGS)
+    else:
         _append_side(v_ptr, stride_nb, stride_nh, sv_ptr, stride_sb, stride_sh, stride_sn, rv_ptr, stride_rb,
                      stride_rh, stride_rn, vc_ptr, vs_ptr, vz_ptr, stride_vcb, stride_vch, stride_vcn, stride_zb,
                      stride_zh, stride_zn, mu_v_ptr, stride_mu_b, stride_mu_h, rot_v_ptr, q_ptr, stride_qb, stride_qh,
                      q_out_ptr, counts_ptr, flag_ptr, tiny, H, max_len, SINK, LIMIT, CAP, FLUSH, BLOCK_F, CENTERED,
-                     V_CLIP_INDEX, D, GROUP, V_BITS, SCALE_DT, ROTATE_V, FP32_DOT, PDL, 0, BLOCK_Q, 2)
+                     V_CLIP_INDEX, D, GROUP, V_BITS, SCALE_DT, ROTATE_V, FP32_DOT, PDL, 0, BLOCK_Q, V_FLAGS)
 
 
 def _launch(key, value, key_rotation, value_rotation, windows, history, center, counts, flags, max_len, sink_tokens,
             limit, flush, key_bits, value_bits, group, k_clip_index, v_clip_index, query=None) -> torch.Tensor | None:
-    """The append kernel over the layer tensors of ``triton_decode.layer_tensors`` (the operators' arguments); with
+    """The append kernel over a PackedKV's ``windows``, ``history`` and ``centers`` lists (the operators'
+    arguments); with
     ``query [B, Hq, 1, D]`` (and a ``key_rotation``) it also returns ``query @ key_rotation``, contiguous."""
     batch, heads, _, d = key.shape
     key, value = key.contiguous(), value.contiguous()
@@ -309,7 +310,7 @@ def append_token(
     v_clip_index: int,
 ) -> None:
     """Store one token's K and V ``[B, H, 1, D]`` (the model dtype), times their rotations ``[D, D]`` (the model dtype;
-    None: stored as given), into the layer tensors of ``triton_decode.layer_tensors``, and advance the counts int32
+    None: stored as given), into a PackedKV's ``windows``, ``history`` and ``centers``, and advance the counts int32
     ``[8]`` (sink, history, recent, ring start; then the same before this step); ``flags`` int32 ``[2]``: the error
     flags and the kernel's arrival count (zero between calls). An operator that torch.compile traces and CUDA graphs
     capture."""
@@ -357,18 +358,27 @@ def _(key, value, query, key_rotation, value_rotation, windows, history, center,
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
-def append(layer, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Rotate one token's K and V ``[B, H, 1, D]``, store them into a static OscarLayer and advance its counts, on
-    the device: the graph step's half of ``OscarLayer.update``. Returns the step's ``query [B, Hq, 1, D]`` rotated by
-    R_K in the same kernel, or None without a query or where R_K is the identity (q then stays as it is)."""
-    cfg = layer.config
-    windows, history, center = layer_tensors(layer)
+def append(packed: PackedKV, key: torch.Tensor, value: torch.Tensor, *, flags: torch.Tensor, max_len: int,
+           sink_tokens: int, limit: int, flush: int, k_clip: float, v_clip: float,
+           key_rotation: torch.Tensor | None = None, value_rotation: torch.Tensor | None = None,
+           query: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Rotate one token's K and V ``[B, H, 1, D]`` (the model dtype), store them into ``packed`` (device counts
+    ``[8]``) and advance its counts, on the device.
+
+    Args:
+        flags: int32 ``[2]``: the error word and the kernel's arrival count (zero between calls).
+        max_len: tokens the storage takes in all (a full cache flags ``FULL`` and stores nothing).
+        sink_tokens, limit, flush: sink size, most recent-window tokens, tokens demoted at a time.
+        k_clip, v_clip: clip ratios of the demoted rows (1.0: none).
+        key_rotation, value_rotation: ``[D, D]`` in the model dtype, or None (stored as given).
+        query: the step's ``[B, Hq, 1, D]``, rotated by ``key_rotation`` in the same kernel where both are given.
+    Returns:
+        the rotated query (contiguous), or None without a query or a key rotation.
+    """
     d = key.shape[-1]
-    value_rotation = layer.value_rotation if layer.rotates_values else None
-    tail = (windows, history, center, layer.counts, layer.flags, layer.max_cache_len, cfg.sink_tokens,
-            layer.recent_limit, cfg.flush_tokens, *cfg.side_bits.values(), layer.group_size,
-            kernel_clip_index(cfg.k_clip, d), kernel_clip_index(cfg.v_clip, d))
-    if query is None or not layer.rotates_keys:
-        key_rotation = layer.key_rotation if layer.rotates_keys else None
+    tail = (packed.windows, packed.history, packed.centers, packed.counts, flags, max_len, sink_tokens, limit, flush,
+            packed.key_bits, packed.value_bits, packed.group_size, kernel_clip_index(k_clip, d),
+            kernel_clip_index(v_clip, d))
+    if query is None or key_rotation is None:
         return torch.ops.oscar_hf.append_token(key, value, key_rotation, value_rotation, *tail)
-    return torch.ops.oscar_hf.append_token_rotating_query(key, value, query, layer.key_rotation, value_rotation, *tail)
+    return torch.ops.oscar_hf.append_token_rotating_query(key, value, query, key_rotation, value_rotation, *tail)

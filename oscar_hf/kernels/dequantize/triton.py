@@ -1,11 +1,9 @@
 """Triton dequantize kernel: a per-token INT2/INT4 history back to the model dtype, written in place into the
-``sink ‖ history ‖ recent ‖ new`` buffer (:meth:`OscarLayer.materialize`) that attention over a prefill chunk
-reads with SDPA.
+buffer that attention over a prefill chunk reads with SDPA.
 
-The pure-torch twin is materialize's default history fill (``quantizer.dequantize``, the center added back, cast
-to the buffer's dtype): the kernel computes ``zero + scale·code (+ μ)`` in fp32 with the same roundings (no fused
-multiply-add) and rounds to the model dtype to nearest even, so on a GPU its output is bit-identical (under
-TRITON_INTERPRET=1, fp32 → bf16 rounds toward zero: up to one bf16 ulp apart).
+Its twin is :func:`oscar_hf.kernels.dequantize.reference.fill_history`: ``zero + scale·code (+ μ)`` in fp32 with the
+same roundings (no fused multiply-add), rounded to the model dtype to nearest even, so on a GPU the output is
+bit-identical (under TRITON_INTERPRET=1 fp32 → bf16 rounds toward zero: up to one bf16 ulp apart).
 """
 
 from __future__ import annotations
@@ -14,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import on_device_of
+from ..packed import PackedKV
+from ..utils import on_device_of, triton_runs_on
 
 BLOCK_N = 32  # tokens per program
 
@@ -53,29 +52,25 @@ def _dequantize_kernel(
         tl.store(out + channel[None, :], x, mask=live)
 
 
-def layer_supports(layer) -> bool:
-    """Whether :func:`dequantize_into` serves an initialized OscarLayer (per-token history, on CUDA or the
-    interpreter)."""
-    return layer.config.key_quantization == "per-token" and (
-        layer.device.type == "cuda" or triton.knobs.runtime.interpret
-    )
+def supports(packed: PackedKV) -> bool:
+    """Whether :func:`fill_history` serves ``packed``: per-token history on CUDA (or the interpreter)."""
+    return packed.per_token_keys and triton_runs_on(packed.device)
 
 
-def dequantize_into(layer, side: str, out: torch.Tensor) -> None:
-    """:meth:`OscarLayer.materialize`'s history fill on the kernel: the first ``out.shape[2]`` history tokens of
-    ``side``, dequantized, written into ``out`` (a ``[B, H, n, D]`` view of the buffer; a per-token layer, see
-    :func:`layer_supports`)."""
+def fill_history(packed: PackedKV, side: str, out: torch.Tensor) -> None:
+    """The first ``out.shape[2]`` history tokens of ``side``, dequantized, written into ``out`` (a ``[B, H, n, D]``
+    view of the buffer; see :func:`supports`)."""
     n_hist = out.shape[2]
-    h = layer.history.read(n_hist)
-    codes, scale, zero = h[f"{side}_codes"], h[f"{side}_scale"], h[f"{side}_zero"]
-    centered = side in layer.config.centered_sides
-    center = layer.center[side] if centered else scale  # (a stand-in pointer, never read)
+    _, _, rows, center, bits = packed.side(side)
+    codes, scale, zero = (t[:, :, :n_hist] for t in rows)
+    centered = center is not None
+    center = center if centered else scale  # (a stand-in pointer, never read)
     batch, heads, _, dim = out.shape
     with on_device_of(out):
         _dequantize_kernel[(batch * heads, triton.cdiv(n_hist, BLOCK_N))](
             codes, scale, zero, center, out,
             *codes.stride()[:3], *scale.stride()[:3], *center.stride()[:2], *out.stride()[:3],
             n_hist, heads,
-            D=dim, BITS=layer.config.side_bits[side], GROUP=layer.group_size, BLOCK_N=BLOCK_N, CENTERED=centered,
+            D=dim, BITS=bits, GROUP=packed.group_size, BLOCK_N=BLOCK_N, CENTERED=centered,
             num_warps=4, enable_fp_fusion=False,
         )

@@ -1,149 +1,40 @@
-"""Triton decode attention over the OSCAR cache: split-K flash-decoding of one query token (a decode step) or of
-the few newest ones (assisted decoding's verify step, causal among them).
+"""Triton decode attention over a PackedKV: split-K flash-decoding of one query token (a decode step) or of the few
+newest ones (assisted decoding's verify step, causal among them).
+Twin: :func:`oscar_hf.kernels.decode.reference.attend`.
 
-The pure-torch twin (and oracle) is :func:`oscar_hf.kernels.naive.attend`.
+Stage 0 (:func:`rotate_query`, only where q comes unrotated): q times R_K. Stage 1 (grid ``B·H × splits``): a program
+serves one KV head's whole GQA group over one part of the sequence, with a one-pass online softmax in base 2, and writes
+a normalised partial output and its log-sum-exp; history programs read packed codes, sink/recent programs model-dtype
+rows (the recent window a ring buffer). Stage 2 (grid ``B·Hq·q × D/32``) merges the parts by log-sum-exp and adds the
+centers' terms (``q·μ_K`` on the history parts' lse, ``μ_V`` times their share of the weight). On sm_90 every stage is
+launched early (programmatic dependent launch), waiting for the kernel before it.
 
-Stage 0, in a static layer's graph step whose q comes unrotated (:func:`decode_on_device`): q times R_K
-(:func:`rotate_query`, whose twin is ``cache.rotate``), one small kernel that loads R before it waits for q, in place of
-a GEMM launched after the kernel that wrote q. OscarQuantizedCache's steps need none: the append kernel that stores the
-step's K/V rotates q too (``OscarLayer.store_pending``).
-
-Stage 1 (grid ``B·H × splits``): a program serves one KV head's whole GQA group (so each KV tile is loaded once per
-group) over one part of the sequence, with a one-pass online softmax in base 2, and writes a normalised partial output
-and its log-sum-exp. History programs put the tokens on the tensor cores' big dimensions (logits ``[tokens, g]`` = K
-codes · qᵀ, output ᵀ = V codesᵀ · p, the ``g`` query heads padded to ``BLOCK_G >= 8`` columns), so a program of one warp
-owns whole rows of tokens; sink/recent chunks use q as the rows (padded to ``BLOCK_H >= 16``). History splits (packed
-codes) are as many as fill one wave of ``programs_per_sm`` programs per SM (fewer where the programs would be short or
-the window programs few but not rare: :func:`plan_splits`); split ``s`` of ``S`` reads tiles ``s, s + S, ...``, so that
-a head's programs stream neighbouring tiles at once (H100, against one contiguous chunk per split in the same run: 1-4%
-faster at batch 1 to 8, T = 32K and 128K, D = 64, 128, 256; at batch 32, 32K (6-8 splits per head) within ±1%, as two
-launches of one config differ there; ``bench_decode-dev-runs/probe_interleave.log``, ``probe_interleave_modes.log``).
-Sink/recent chunks (model dtype) are one or two tiles each (:func:`plan`) and come first in the grid (where they are
-few, they first ask L2 for their rows: :func:`_window_prefetch`). Stage 2 (grid ``B·Hq·q × D/32``) merges the chunks
-by log-sum-exp. On sm_90 every stage is launched early (programmatic dependent launch), waiting for the kernel
-before it; stages 0 and 1 let the next launch once they have waited (stage 2 reads q before its own wait), stage 2
-only as it exits (the kernel after it then starts on idle SMs). A call runs no other kernel: a placeholder that no
-kernel reads is left uninitialised (a zero fill between the kernel before and stage 1 made stage 1 start 1.6-2 µs
-after that kernel's end, against 0.5 µs; ``bench_decode-dev-runs/probe_pdl2.log``, ``probe_fill.log``).
-
-History tiles. Byte ``j`` of a code row holds channels ``j + i·W`` (``W = D·bits/8``, ``i < 8/bits``), so halfword
-``u`` holds channel ``2u + e + i·W`` at bit ``8e + i·bits`` (e = 0, 1): its position ``P = e·8/bits + i``. Rows of
-at least 32 bytes are read as halfwords, and position P of a ``[tokens, W/2]`` halfword tile is one dot operand
-(K = W/2) without an int-to-float conversion: ``(h >> shift) & mask | magic`` read as bf16 (fp16) is
-``M + c·f``, M = 128 (1024), where the mask keeps the code inside the 7 (10) mantissa bits at bit ``log2 f``;
-one shift serves 3 (5) positions of 2-bit codes. With ``fast_unpack`` one ``lop3`` makes two such values (a
-32-bit word of two halfwords): about 0.6 instructions per code. The ``1/f`` goes into q (exact: a power of two)
-and into the output's final scaling. Narrower rows (D = 64 at 2 bits: 16 bytes) are read two tokens to a tile
-row of W halfwords, the first token's in halfwords ``u < W/2``, where that leaves at most 16 columns: each query
-row gets two columns, the even one reading the first token's halfwords (q is zero on the other half: a
-block-diagonal q), the odd one the second token's, each its own online softmax, merged at the end with the
-output's diagonal blocks (the V dot's other blocks mix the tokens and are dropped). A GQA group of 4 then fills
-the 8 columns that one token per row would pad (H100, 32q/8kv: batch 8, 128K 62.8 → 73.8% of the copy
-bandwidth, batch 32, 32K 63.6 → 74.6%; ``bench_decode-dev-runs/probe_pairs.log``). The columns alternate
-tokens, so which token a thread's accumulator register weighs is known at compile time (the tokens in the
-two halves of the columns cost selects per tile: batch 1, 128K 23.8 → 23.1 µs, batch 8, 32K 46.3 → 45.8 µs;
-``probe_d64_columns.log``). With more query rows (a verify step), such rows are read as bytes: position
-``P = i`` is the byte tile shifted by ``i·bits`` (f = 1), two byte permutes per 4 codes. q is gathered per position
-the way K is, and the output scattered the way V is (K and V may have different bits). Scale and zero stay out of
-the element loop (per token and group):
-
-* K: the logit accumulator starts at ``-M·Σ(q/f)``, so the dots leave ``q·c`` and
-  ``logit = s·(q·c) + z·Σq``;
-* V: the tensor cores accumulate ``(p·s)·(M + c·f)`` with ``p·s`` rounded to the dot dtype; per token group
-  ``Σ p·s`` (the same rounded ``p·s``) and ``Σ p·(z + c̄·s)`` (c̄ the middle code) are kept, and the output is
-  ``(acc - M·Σ p·s)/f + Σ p·(z + c̄·s) - c̄·Σ p·s``: the offset cancels up to fp32 accumulation, and the rounding
-  of ``p·s`` weighs ``|c - c̄|``.
-
-History tiles also skip work the softmax does not need: whole tiles run without bounds checks (the last, partial
-one separately), logits stay in raw units (the scale goes into ``exp2``'s argument), and the running max is
-rescaled lazily: only when a tile's max exceeds it by more than 8 (log2 units; p stays ≤ 256, in bf16's range),
-which after the first tiles is rare. fp16 rescales at every larger max (its p·s could overflow).
-
-Centering (the history holds ``x - μ``, ``μ`` one fp32 vector per row and KV head) is applied once per output row
-by stage 2: the history splits' log-sum-exps get ``q·μ_K`` (in the log2 units of the scores), and the merged
-output gets ``μ_V`` times the history splits' share of the softmax weight.
-
-A program's query rows are its GQA heads times the query tokens (``r·Q_LEN + t``). The attention mask
-``[B, 1, 1 or q, T]`` (True = attend) is read per key and query token and applied to the logits as ``-inf``, so
-left padding is exact; a history tile whose keys are all attended (generate's all-ones mask) skips applying it (H100,
-with an all-ones mask: batch 1, 128K 37.2 → 36.8 µs, batch 32, 32K 249.8 → 247.9 µs, where no mask takes 35.8 and
-247.6; ``bench_decode-dev-runs/probe_mask_check.log``). Among the query tokens the window chunks are causal even
-without a mask. bf16 and fp16 only: fp32 models (and the layouts of :func:`kernel_supports`' other cases) run
-``naive.attend``.
+History tiles put the tokens on the tensor cores' big dimension and read codes as halfwords: ``(h >> shift) & mask |
+magic`` read as bf16 (fp16) is ``M + c·f`` (M = 128, or 1024 for fp16), so the dots need no int-to-float conversion;
+the ``1/f`` goes into q and into the output's scaling, and the offset ``M`` is taken out through ``Σq`` for K and
+``Σ p·s`` for V. Scale and zero stay out of the element loop: ``logit = s·(q·c) + z·Σq``. Rows narrower than 32 bytes
+(D = 64 at 2 bits) are read two tokens per tile row where that leaves at most 16 columns. Whole tiles run without
+bounds checks, and the running max is rescaled lazily (only past a jump of 8 in log2 units; fp16 at every larger max).
+The attention mask ``[B, 1, 1 or q, T]`` (True = attend) is read per key and query token, so left padding is exact.
+The layout tricks and the measurements behind them are in ``docs/kernels/decode.md``.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
 
-from . import has_pdl, naive, on_device_of, triton_dequant
+from ..packed import PackedKV
+from ..triton_utils import dot, prefetch_window, to_nearest_even
+from ..utils import has_pdl, on_device_of
+from .launch import WINDOW_BLOCK, DecodeConfig, default_config, plan, window_prefetch
 
 LOG2E = 1.4426950408889634
+
+
 # dot dtype, bits of M (a power of two whose mantissa is zero), M, and the mantissa's width
 MAGIC = {torch.bfloat16: (tl.bfloat16, 0x4300, 128.0, 7), torch.float16: (tl.float16, 0x6400, 1024.0, 10)}
-WINDOW_BLOCK = {64: 32, 128: 32, 256: 16}  # sink/recent tile rows per head_dim (keeps shared memory < 40 KiB)
-MAX_QUERY_ROWS = 32  # query heads x query tokens per program of a several-token call (accumulator registers)
-
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    """Launch parameters of stage 1: history tile tokens, warps, pipeline stages, programs per SM to aim for,
-    whether codes are unpacked by inline PTX, both stages are launched early and the window programs prefetch their
-    rows (GPU only: the interpreter runs the plain path)."""
-
-    block_n: int = 64
-    num_warps: int = 1
-    num_stages: int = 3
-    programs_per_sm: int = 16
-    min_program_tiles: int = 0  # fewer programs per SM (by 2, down to 8) while a history program has fewer tiles
-    fast_unpack: bool = True
-    pdl: bool = True  # both stages launched early (programmatic dependent launch, sm_90+), each waiting on its input
-    min_split_bytes: int = 8 * 1024  # a split should read at least this much, so its partial output stays cheap
-    max_registers: int | None = None  # ptxas register cap per thread (more programs per SM, some spills)
-    window_prefetch: bool | None = None  # window programs ask L2 for their rows first (None: _window_prefetch)
-    max_history_programs_per_sm: float = 0.0  # a cap where window programs are few but not rare (0: none)
-    window_tiles: int | None = None  # tiles per sink/recent chunk (None: plan's rule, 1 or 2)
-
-    def __post_init__(self):
-        if self.programs_per_sm < 1 or self.max_history_programs_per_sm < 0:
-            raise ValueError("DecodeConfig needs programs_per_sm >= 1 and max_history_programs_per_sm >= 0 (0: no "
-                             f"cap); got {self.programs_per_sm} and {self.max_history_programs_per_sm}")
-        if self.window_tiles is not None and self.window_tiles < 1:
-            raise ValueError(f"DecodeConfig needs window_tiles >= 1 (or None: plan's rule); got {self.window_tiles}")
-
-
-def default_config(batch: int, head_dim: int, query_len: int = 1) -> DecodeConfig:
-    """One warp per program (its reductions over tokens never leave the warp); from H100 sweeps (D=128 at B=1, 4,
-    8, 32 and T=32K, 128K; D=64 and 256 at B=8, T=32K): 64-token tiles (32 at D=256), 3 stages, at D <= 128 at most
-    168 registers, and as many programs per SM as fit at once (one wave; sm_90 SASS: 168 registers, 12 one-warp
-    programs; 255 at D=256, 8) where programs are long, but fewer, longer programs where a full wave's would cover
-    fewer than 24 tiles (one query token at D=128: 8 at B=1, 128K, 16 tiles, 3-6% faster than 12; 10 at B=8, 32K,
-    26 tiles, 22% faster than 12 with 22 tiles; 12 at B=8, 128K and B=32, 32K, 85 tiles, 17-29% faster than 8; 12
-    at B=32, 4K, where the window programs are many: 8 was 14% slower; see :func:`plan_splits`).
-    A verify step's several tokens make each tile's work larger, and it keeps 12. At D=128, one query token, at
-    most 7.7 history programs per SM where the window programs are at least one per SM and at most half as many
-    (batches 4 and 8 at 8 KV heads: :func:`plan_splits`; H100, against no cap in the same run: B=4, 128K 146.4 →
-    132.0 µs, B=8, 32K 80.4 → 75.3 µs, B=8, 128K 249.2 → 244.5 µs, other T within ±2.3%;
-    ``bench_decode-dev-runs/probe_cap.log``)."""
-    one_token_d128 = query_len == 1 and head_dim == 128
-    return DecodeConfig(block_n=64 if head_dim <= 128 else 32, num_warps=1, num_stages=3,
-                        programs_per_sm=8 if head_dim > 128 else 12,
-                        min_program_tiles=24 if one_token_d128 else 0,
-                        max_registers=168 if head_dim <= 128 else None,
-                        max_history_programs_per_sm=7.7 if one_token_d128 else 0.0)
-
-
-@triton.jit
-def _dot(a, b, acc, FP32_DOT: tl.constexpr):
-    # TRITON_INTERPRET multiplies bf16 operands as raw integers: give it fp32 ones (products are exact either way)
-    if FP32_DOT:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -151,7 +42,7 @@ def _dot_columns(x, DT: tl.constexpr, FP32_DOT: tl.constexpr):
     """``x [BLOCK_G]`` fp32 laid out as the columns of a dot's accumulator (it passes through a dot of zeros), so that
     the per-tile products of the history loop with it stay in the accumulator's registers instead of going through
     shared memory every tile."""
-    acc = _dot(tl.zeros([16, 16], DT), tl.zeros([16, x.shape[0]], DT), tl.zeros([16, x.shape[0]], tl.float32)
+    acc = dot(tl.zeros([16, 16], DT), tl.zeros([16, x.shape[0]], DT), tl.zeros([16, x.shape[0]], tl.float32)
                + x[None, :], FP32_DOT)
     return tl.max(acc, axis=0)
 
@@ -213,16 +104,6 @@ def _unpack(x, P: tl.constexpr, BITS: tl.constexpr, MANTISSA: tl.constexpr, DT: 
 
 
 @triton.jit
-def to_nearest_even(x, DT: tl.constexpr):
-    """fp32 ``x`` rounded to ``DT`` (bf16 by hand: TRITON_INTERPRET truncates; NaN stays NaN)."""
-    if DT == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = tl.where(x == x, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16, 0x7FC0)
-        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return x.to(DT)
-
-
-@triton.jit
 def _rotate_query_kernel(
     q_ptr, stride_qb, stride_qh, stride_qt, r_ptr, out_ptr, rows, HQ, Q_LEN,
     D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr, FP32_DOT: tl.constexpr,
@@ -240,7 +121,7 @@ def _rotate_query_kernel(
     live = row < rows
     q_rows = q_ptr + row // Q_LEN // HQ * stride_qb + row // Q_LEN % HQ * stride_qh + row % Q_LEN * stride_qt
     x = tl.load(q_rows[:, None] + inner[None, :], mask=live[:, None], other=0.0)
-    acc = _dot(x, r, tl.zeros([BLOCK_R, BLOCK_C], tl.float32), FP32_DOT)
+    acc = dot(x, r, tl.zeros([BLOCK_R, BLOCK_C], tl.float32), FP32_DOT)
     tl.store(out_ptr + row[:, None].to(tl.int64) * D + cols[None, :], to_nearest_even(acc, out_ptr.dtype.element_ty),
              mask=live[:, None])
 
@@ -288,20 +169,6 @@ def _mask_tile(mask_row, stride_mq, stride_mt, pos, live, query, HAS_MASK: tl.co
     else:
         tile = _mask_bytes(mask_row, stride_mt, pos, live, HAS_MASK)[:, None]
     return tile
-
-
-@triton.jit
-def _prefetch_window(bases, lo, hi, stride_n, ring_start, ring_cap, ROWS: tl.constexpr, D: tl.constexpr):
-    """Ask L2 for the 128-byte lines of the window rows of tokens ``[lo, hi)`` (at most ROWS) of each tensor in
-    ``bases`` (K's and V's): a window chunk's loads are few and dependent, and wait behind the history's stream when
-    they go to DRAM."""
-    ELEMS: tl.constexpr = 1024 // bases[0].dtype.element_ty.primitive_bitwidth  # elements per line
-    n = lo + tl.arange(0, ROWS)
-    row = ((ring_start + tl.minimum(n, tl.maximum(hi - 1, lo))) % ring_cap).to(tl.int64) * stride_n
-    offs = row[:, None] + tl.arange(0, D // ELEMS)[None, :] * ELEMS
-    for i in tl.static_range(len(bases)):
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [bases[i] + offs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -410,7 +277,7 @@ def _tile_logits(kh, meta, n, hi, mask_here, qts, qsums, q_offs, K_BITS: tl.cons
         for P in tl.static_range(len(qts)):
             if P % NB_K * W_K // GROUP == g:
                 kq = _unpack(kh, P, K_BITS, MANTISSA, DT, MAGIC_BITS, FAST_UNPACK, BYTES_K)
-                qk = _dot(kq, qts[P], qk, FP32_DOT)
+                qk = dot(kq, qts[P], qk, FP32_DOT)
         logits = qk * _rows(meta[4 * g], PAIRED).to(tl.float32) + (
             _rows(meta[4 * g + 1], PAIRED).to(tl.float32) * qsums[g][None, :] + logits)
     if MASKED:
@@ -446,7 +313,7 @@ def _tile_values(prob, meta, vh, den, pss, pzs, accs, V_BITS: tl.constexpr, GROU
     new_accs = ()
     for P in tl.static_range(len(accs)):
         vq = _unpack(vh, P, V_BITS, MANTISSA, DT, MAGIC_BITS, FAST_UNPACK, BYTES_V)
-        new_accs = new_accs + (_dot(vq, ps_groups[P % NB_V * W_V // GROUP], accs[P], FP32_DOT),)
+        new_accs = new_accs + (dot(vq, ps_groups[P % NB_V * W_V // GROUP], accs[P], FP32_DOT),)
     return den, new_pss, new_pzs, new_accs
 
 
@@ -652,7 +519,7 @@ def _attend_dense(
         logits = tl.zeros([qs[0].shape[0], BLOCK_N], tl.float32)
         for i in tl.static_range(NSUB):
             kt = tl.load(k + row[:, None] + i * W + cols[None, :], mask=live[:, None], other=0.0)
-            logits = _dot(qs[i], tl.trans(kt), logits, FP32_DOT)
+            logits = dot(qs[i], tl.trans(kt), logits, FP32_DOT)
         allowed = tl.trans(live[:, None] & (_mask_tile(mask_row, stride_mq, stride_mt, pos0 + n, live, query,
                                                        HAS_MASK, Q_LEN) != 0))  # [rows or 1, BLOCK_N]
         if Q_LEN > 1:
@@ -662,7 +529,7 @@ def _attend_dense(
         new_accs = ()
         for i in tl.static_range(NSUB):
             vt = tl.load(v + row[:, None] + i * W + cols[None, :], mask=live[:, None], other=0.0)
-            new_accs = new_accs + (_dot(p, vt, accs[i] * alpha[:, None], FP32_DOT),)
+            new_accs = new_accs + (dot(p, vt, accs[i] * alpha[:, None], FP32_DOT),)
         accs = new_accs
     return m, den, accs
 
@@ -769,7 +636,7 @@ def _window_split(
     normalised partial output and log-sum-exp. ``last``: the position of the last key before the query tokens."""
     NSUB: tl.constexpr = D // W
     if PREFETCH:
-        _prefetch_window((k, v), lo, hi, stride_n, ring_start, ring_cap, CHUNK, D)
+        prefetch_window((k, v), lo, hi, stride_n, ring_start, ring_cap, CHUNK, D)
     rows = tl.arange(0, BLOCK_H)
     cols = tl.arange(0, W)
     keep = rows < G_Q * Q_LEN
@@ -815,8 +682,7 @@ def _decode_stage2_kernel(
         q_mu = tl.sum(q * tl.load(mu_k_ptr + mu_off + chans), axis=0) * qk_scale
         mu_v = tl.load(mu_v_ptr + mu_off + cols)
     if PDL:  # launched early: wait until stage 1 has finished and its writes are visible. The next kernel launches
-        # once this one has exited, onto idle SMs: let early, a one-wave stage 1 found this grid's programs in its
-        # way and spread unevenly (H100, batch 8, 32K: 66.8 -> 76.3 µs per call; ``probe_fill.log``)
+        # once this one has exited, onto idle SMs (let early, its programs would be in a one-wave stage 1's way)
         tl.extra.cuda.gdc_wait()
     m = -1.0e30  # finite: a step of empty splits leaves alpha = 1 and w = 0
     den = 0.0
@@ -843,143 +709,6 @@ def _decode_stage2_kernel(
     tl.store(out_ptr + row * D + cols, out.to(out_ptr.dtype.element_ty))
 
 
-@lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
-def plan_splits(batch_heads: int, n_hist: int, hist_bytes: int, cfg: DecodeConfig, sm_count: int,
-                window_programs: int = 0) -> int:
-    """History tokens per split (whole ``block_n`` tiles, interleaved with the other splits' tiles; ``hist_bytes``: K +
-    V bytes per token), so that the history programs fill one wave of ``programs_per_sm · sm_count`` programs without
-    spilling into a second (fewer when a split would read less than ``min_split_bytes``), with fewer programs per SM (by
-    2, down to 8) while a split would hold fewer than ``min_program_tiles`` tiles and the history programs outnumber the
-    ``window_programs`` at least twice (where these are many, as at batch 32 and 4K, more and shorter history programs
-    balance the waves better). The window programs (short sink/recent chunks, first in the grid) take slots of the wave:
-    the history programs leave them room when that costs at most a tenth of the splits, else they start as the window
-    programs finish. Last, the history programs are capped at ``max_history_programs_per_sm · sm_count`` where the
-    window programs are at least one per SM and at most half as many as the capped history programs. The cap is
-    empirical: split counts near it differ by up to 15% (B=2, 128K: 62 splits 83 µs, 63 splits of which one is empty 71
-    µs), which neither a model of block placement nor rotating each program's tile order explained
-    (``probe_splits_sweep.log``, ``probe_rotate.log``); it is applied only where it was measured to help."""
-    def chunk(splits: int) -> int:
-        return max(1, triton.cdiv(triton.cdiv(n_hist, splits), cfg.block_n)) * cfg.block_n
-
-    def wave(per_sm: int) -> int:
-        slots = per_sm * sm_count
-        tokens = chunk(max(1, min(slots // batch_heads, n_hist * hist_bytes // cfg.min_split_bytes)))
-        splits = triton.cdiv(n_hist, tokens)
-        room = (slots - window_programs) // batch_heads
-        if splits * batch_heads + window_programs > slots and room >= 0.9 * splits:
-            tokens = chunk(room)
-        return tokens
-
-    per_sm = cfg.programs_per_sm
-    tokens = wave(per_sm)
-    while (per_sm > 8 and tokens < cfg.min_program_tiles * cfg.block_n
-           and 2 * window_programs <= triton.cdiv(n_hist, tokens) * batch_heads):
-        per_sm -= 2
-        tokens = wave(per_sm)
-    cap = int(cfg.max_history_programs_per_sm * sm_count) // batch_heads  # splits per head
-    if (cap and triton.cdiv(n_hist, tokens) > cap and sm_count <= window_programs
-            and 2 * window_programs <= cap * batch_heads):
-        tokens = chunk(cap)
-    return tokens
-
-
-def _window_prefetch(cfg: DecodeConfig, batch_heads: int, hist_capacity: int, splits: list[int],
-                     device: torch.device) -> bool:
-    """Whether the window (sink/recent) programs prefetch their rows: where they are few (at most one per two SMs)
-    they are chains of dependent loads that wait behind the history's stream, and where the history splits are
-    short (at most 8 tiles each, judged from the history's capacity: a static cache plans once) they finish last
-    (H100, batch 1: 4K 14.8 → 11.1 µs, 32K 19.8 → 18.0 µs; always on, batches 8 and 32 were 2-5% slower)."""
-    if cfg.window_prefetch is not None:
-        return cfg.window_prefetch
-    hist_splits, _, total, _ = splits
-    return (2 * batch_heads * (total - hist_splits) <= _sm_count(device)
-            and _short_history(cfg, hist_capacity, hist_splits))
-
-
-def _short_history(cfg: DecodeConfig, n_hist: int, hist_splits: int) -> bool:
-    """Whether the history programs read at most 8 tiles each: then the window programs, whose loads are few and
-    dependent, tend to finish last."""
-    return n_hist <= 8 * cfg.block_n * max(hist_splits, 1)
-
-
-def layer_supports(layer, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether :func:`decode` can serve every decode step of an initialized OscarLayer for queries of ``dtype``."""
-    d = layer.sink["key"].shape[-1]
-    cfg = layer.config
-    bits = cfg.side_bits.values()
-    return (
-        dtype in MAGIC
-        and d in WINDOW_BLOCK
-        and layer.group_size >= d * max(bits) // 8  # a group spans whole channel sub-tiles,
-        and d * min(bits) // 8 >= 16  # each at least one MMA K wide
-        and cfg.recent_tokens >= 1  # the newest token is then always stored at full precision (it is read from there)
-        and layer.dtype == dtype
-        and cfg.key_quantization == "per-token"  # per-channel K scales (KIVI's layout): naive.attend
-        and (device.type == "cuda" or triton.knobs.runtime.interpret)
-    )
-
-
-def kernel_supports(query: torch.Tensor, layer, attention_mask: torch.Tensor | None) -> bool:
-    """Whether :func:`decode` handles this call (else naive.attend runs): one query token, or up to
-    ``MAX_QUERY_ROWS / g`` tokens that are all still in the recent window."""
-    q_len = query.shape[2]
-    group_q = query.shape[1] // layer.sink["key"].shape[1]
-    return (
-        (q_len == 1 or (q_len <= layer.config.recent_tokens and q_len * group_q <= MAX_QUERY_ROWS))
-        and layer_supports(layer, query.dtype, query.device)
-        and (attention_mask is None or (attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1
-                                        and attention_mask.shape[2] in (1, q_len)
-                                        and attention_mask.shape[-1] >= (layer.max_cache_len or layer.length)))
-    )
-
-
-def plan(layer, batch: int, lengths: tuple[int, int, int] | None = None, config: DecodeConfig | None = None,
-         query_len: int = 1) -> list[int]:
-    """``[history splits, sink splits, total splits, window tiles]`` of stage 1 for an OscarLayer holding ``lengths``
-    (sink, history, recent) tokens; None plans for its capacities, so that one launch serves every length (the
-    kernel spreads the history tiles it finds in the counts over the planned splits). Splits are ordered sink,
-    recent, history: the window chunks (unpipelined) start in the first wave instead of trailing the last one.
-
-    A window chunk is ``config.window_tiles`` tiles, or by default one where the history programs (planned for
-    chunks of two) read at most 8 tiles each, so that the window programs, which then finish last, are twice as
-    many and half as long; else two (H100, whole calls against two tiles: batch 1 4K 9.35 → 8.3 µs, 16K 12.4 →
-    11.6 µs, batch 4 4K 14.9 → 12.4 µs, D = 256 batch 1 4K 10.55 → 8.9 µs; one tile where the history programs
-    are longer was slower: batch 8 32K 67 → 80 µs, batch 32 4K 61 → 65 µs;
-    ``bench_decode-dev-runs/s29_window_tiles.log``)."""
-    sink, hist, recent = layer.sink, layer.history, layer.recent
-    d = sink["key"].shape[-1]
-    n_sink, n_hist, n_recent = lengths or (sink.capacity, hist.capacity, recent.capacity)
-    hist_bytes = sum(hist[f"{side}_codes"].shape[-1] + 2 * hist[f"{side}_scale"].shape[-1]
-                     * hist[f"{side}_scale"].element_size() for side in ("key", "value"))
-    heads = batch * sink["key"].shape[1]
-    cfg = config or default_config(batch, d, query_len)
-
-    def splits(window_tiles: int) -> list[int]:
-        win_chunk = window_tiles * WINDOW_BLOCK[d]
-        sink_splits = triton.cdiv(n_sink, win_chunk)
-        window_splits = sink_splits + triton.cdiv(n_recent, win_chunk)
-        hist_chunk = plan_splits(heads, n_hist, hist_bytes, cfg, _sm_count(sink["key"].device), heads * window_splits)
-        hist_splits = triton.cdiv(n_hist, hist_chunk)
-        return [hist_splits, sink_splits, hist_splits + window_splits, window_tiles]
-
-    if cfg.window_tiles is not None:
-        return splits(cfg.window_tiles)
-    two = splits(2)
-    return splits(1) if _short_history(cfg, n_hist, two[0]) else two
-
-
-def layer_tensors(layer) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-    """An OscarLayer's storage as the kernel takes it: windows (sink K, V, recent K, V), history (K codes, scale,
-    zero, then V's), and the centers (μ_K, μ_V; empty without centering)."""
-    windows = [layer.sink["key"], layer.sink["value"], layer.recent["key"], layer.recent["value"]]
-    history = [layer.history[f"{side}_{part}"] for side in ("key", "value") for part in ("codes", "scale", "zero")]
-    center = [layer.center["key"], layer.center["value"]] if layer.config.centering else []
-    return windows, history, center
-
 
 def _storage(t: torch.Tensor) -> torch.Tensor:
     """``t``, or a one-element stand-in when it is empty (its pointer is never read then: uninitialised, no kernel)."""
@@ -988,9 +717,9 @@ def _storage(t: torch.Tensor) -> torch.Tensor:
 
 def _launch(query, windows, history, center, attention_mask, counts, scaling, key_bits, value_bits, group, splits,
             config=None, key_rotation=None):
-    """Both stages over the tensors of :func:`layer_tensors`, the counts int32 ``[4]`` (sink, history, recent, ring
-    start of the recent window) and the ``splits`` of :func:`plan`, after stage 0 (:func:`rotate_query`) where a
-    ``key_rotation`` is given; see :func:`decode`."""
+    """Both stages over a PackedKV's ``windows``, ``history`` and ``centers`` lists, the counts int32 ``[4+]`` (sink,
+    history, recent, ring start) and the ``splits`` of :func:`launch.plan`, after stage 0 (:func:`rotate_query`) where
+    a ``key_rotation`` is given; see :func:`decode`."""
     batch, hq, q_len, d = query.shape
     sink_k, sink_v, rec_k, rec_v = windows
     heads = sink_k.shape[1]
@@ -1042,7 +771,7 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
             Q_LEN=q_len, DT=dt, MAGIC_BITS=magic_bits, MAGIC_VALUE=magic_value,
             MANTISSA=mantissa, FAST_UNPACK=cfg.fast_unpack and not interpreting,
             FP32_DOT=dt == tl.bfloat16 and interpreting, PDL=pdl, NUM_STAGES=cfg.num_stages,
-            PREFETCH=_window_prefetch(cfg, batch * heads, history[0].shape[2], splits, query.device)
+            PREFETCH=window_prefetch(cfg, batch * heads, history[0].shape[2], splits, query.device)
             and not interpreting, PAIRED=paired, WINDOW_TILES=window_tiles, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, launch_pdl=pdl,
             **({"maxnreg": cfg.max_registers} if cfg.max_registers and not interpreting else {}),
@@ -1055,40 +784,28 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
     return out.transpose(1, 2)
 
 
-def decode(
-    query: torch.Tensor,
-    layer,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None,
-    config: DecodeConfig | None = None,
-) -> torch.Tensor:
-    """Attention of rotated query tokens over an OscarLayer's ``sink ‖ history ‖ recent``: one (a decode step) or
-    the ``q`` newest tokens (a verify step of assisted decoding, a small prefill chunk), causal among them.
+def decode(query: torch.Tensor, packed: PackedKV, attention_mask: torch.Tensor | None, scaling: float | None,
+           config: DecodeConfig | None = None) -> torch.Tensor:
+    """Attention of rotated query tokens over ``packed``'s ``sink ‖ history ‖ recent``: one (a decode step) or the
+    ``q`` newest tokens (a verify step, a small prefill chunk), causal among them.
 
     Args:
-        query: rotated queries ``[B, Hq, q, D]``, bf16 or fp16; ``Hq = g·H`` (query head ``h·g + r`` reads
-            KV head ``h``); D in 64, 128, 256; the q tokens are the layer's newest, still in its recent window.
-        layer: an OscarLayer (uses ``sink``, ``history``, ``recent``, ``center``, ``counts``,
-            ``config.side_bits``, ``group_size``); its windows are ``[B, H, cap, D]`` in the query dtype (the recent
-            one a ring buffer from ``counts[3]``), codes uint8 ``[B, H, cap, D·bits/8]`` (K's with its own bits),
-            scale and zero ``[B, H, cap, D/group]``.
-            A static layer's counts live on the device and are read by the kernel: no host synchronisation.
-        attention_mask: bool ``[B or 1, 1, 1 or q, ≥ T]`` (True = attend; key ``t`` at column ``t``; rows for the
-            q tokens), ``T = layer.length``, or None.
+        query: rotated queries ``[B, Hq, q, D]``, bf16 or fp16 as the storage; ``Hq = g·H`` (query head ``h·g + r``
+            reads KV head ``h``); D in 64, 128, 256; the q tokens are the newest, still in the recent window.
+        packed: per-token storage (:func:`launch.supports_call`). Device counts are read by the kernel, with a plan
+            for the capacities (no host synchronisation); host counts plan for the lengths.
+        attention_mask: bool ``[B or 1, 1, 1 or q, >= T]`` (True = attend; key ``t`` at column ``t``), or None.
         scaling: logit scale (None: ``D**-0.5``).
-        config: launch parameters (None: :func:`default_config`).
+        config: launch parameters (None: :func:`launch.default_config`).
     Returns:
         ``[B, q, Hq, D]`` in the query dtype, in the rotated V basis.
     """
-    if layer.counts_on_device:
-        counts, splits = layer.counts, plan(layer, query.shape[0], config=config, query_len=query.shape[2])
+    if isinstance(packed.counts, torch.Tensor):
+        splits = plan(packed, query.shape[0], config=config, query_len=query.shape[2])
     else:
-        lengths = (layer.n_sink, layer.n_history, layer.n_recent)
-        counts = torch.tensor([*lengths, layer.recent_start], dtype=torch.int32, device=query.device)
-        splits = plan(layer, query.shape[0], lengths, config, query.shape[2])
-    windows, history, center = layer_tensors(layer)
-    return _launch(query, windows, history, center, attention_mask, counts, scaling,
-                   *layer.config.side_bits.values(), layer.group_size, splits, config)
+        splits = plan(packed, query.shape[0], packed.lengths()[:3], config, query.shape[2])
+    return _launch(query, packed.windows, packed.history, packed.centers, attention_mask, packed.device_counts(),
+                   scaling, packed.key_bits, packed.value_bits, packed.group_size, splits, config)
 
 
 @torch.library.custom_op("oscar_hf::decode_attention", mutates_args=())
@@ -1106,9 +823,8 @@ def decode_attention(
     group: int,
     splits: list[int],
 ) -> torch.Tensor:
-    """:func:`decode` of a static layer as an operator that torch.compile traces without a graph break and CUDA
-    graphs capture (the counts are read on the device), q rotated by ``key_rotation`` first unless None. Arguments
-    as :func:`_launch`'s."""
+    """:func:`decode` over device counts as an operator that torch.compile traces without a graph break and CUDA
+    graphs capture, q rotated by ``key_rotation`` first unless None. Arguments as :func:`_launch`'s."""
     return _launch(query, windows, history, center, attention_mask, counts, scaling, key_bits, value_bits, group,
                    splits, key_rotation=key_rotation)
 
@@ -1120,24 +836,11 @@ def _(query, key_rotation, windows, history, center, attention_mask, counts, sca
     return query.new_empty(batch, 1, hq, d)
 
 
-def decode_on_device(query: torch.Tensor, layer, attention_mask: torch.Tensor | None, scaling: float | None,
-                     query_rotated: bool = False) -> torch.Tensor:
-    """:func:`decode` of a static layer in its graph step: the operator, planned once for the layer's capacities.
-    ``query``: as the model computed it (post-RoPE), which the operator rotates by the layer's R_K, or already
-    rotated (``query_rotated``: by the append kernel, ``OscarLayer.store_pending``)."""
+def decode_static(query: torch.Tensor, packed: PackedKV, attention_mask: torch.Tensor | None, scaling: float | None,
+                  splits: list[int], key_rotation: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`decode` of one query token over storage with device counts, as the operator, with a plan made once
+    (for the capacities); q is rotated by ``key_rotation`` first unless None."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    rotation = layer.key_rotation if layer.rotates_keys and not query_rotated else None
-    return torch.ops.oscar_hf.decode_attention(query, rotation, *layer_tensors(layer), attention_mask, layer.counts,
-                                               scaling, *layer.config.side_bits.values(), layer.group_size,
-                                               layer.decode_splits)
-
-
-def attend(module, query, key, value, attention_mask, scaling) -> torch.Tensor:
-    """``naive.attend``'s signature: what :func:`kernel_supports` (one query token, or a few newest ones: assisted
-    decoding's verify step) goes to :func:`decode`, anything else (a prefill chunk) to ``naive.attend``, the history
-    dequantized by ``triton_dequant`` where it serves the layer."""
-    layer = key.layer
-    if not kernel_supports(query, layer, attention_mask):
-        fill = triton_dequant.dequantize_into if triton_dequant.layer_supports(layer) else None
-        return naive.attend(module, query, key, value, attention_mask, scaling, fill)
-    return decode(query, layer, attention_mask, scaling)
+    return torch.ops.oscar_hf.decode_attention(query, key_rotation, packed.windows, packed.history, packed.centers,
+                                               attention_mask, packed.counts, scaling, packed.key_bits,
+                                               packed.value_bits, packed.group_size, splits)

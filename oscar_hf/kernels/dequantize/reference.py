@@ -1,0 +1,63 @@
+"""Torch reads of a PackedKV: the history dequantized, and the whole stored sequence in the model dtype (the twin of
+the dequantize kernel, and what the torch attention reads)."""
+
+from __future__ import annotations
+
+import torch
+
+from ...quantizer import QuantizedRows, dequantize, dequantize_per_channel
+from ..packed import PackedKV
+
+
+def dequantize_history(packed: PackedKV, side: str, stop: int, start: int = 0) -> torch.Tensor:
+    """History tokens ``[start, stop)`` of ``side`` ("key" or "value"), dequantized, center added back: fp32
+    ``[B, H, stop - start, D]``. Per-channel K reads whole token groups: ``start`` and ``stop`` are multiples of
+    ``key_token_group`` there."""
+    _, _, rows, center, bits = packed.side(side)
+    group = packed.key_token_group if side == "key" else 1
+    meta = slice(start // group, -(-stop // group))
+    part = QuantizedRows(rows.codes[:, :, start:stop], rows.scale[:, :, meta], rows.zero[:, :, meta])
+    history = dequantize(part, bits) if group == 1 else dequantize_per_channel(part, bits)
+    return history if center is None else history + center
+
+
+def fill_history(packed: PackedKV, side: str, out: torch.Tensor) -> None:
+    """Write the first ``out.shape[2]`` history tokens of ``side``, dequantized, into ``out`` (a ``[B, H, n, D]``
+    view of a buffer): the dequantize kernel's contract, in torch (per-channel K dequantizes whole groups)."""
+    n = out.shape[2]
+    stop = -(-n // packed.key_token_group) * packed.key_token_group if side == "key" else n
+    out.copy_(dequantize_history(packed, side, stop)[:, :, :n])
+
+
+def recent_rows(packed: PackedKV, side: str, n: int) -> torch.Tensor:
+    """The ``n`` oldest recent tokens of ``side`` in order (the ring unrolled from ``counts[3]``)."""
+    _, recent, _, _, _ = packed.side(side)
+    start = packed.lengths()[3]
+    if not start:
+        return recent[:, :, :n]
+    rows = (start + torch.arange(n, device=recent.device)) % recent.shape[2]
+    return recent.index_select(2, rows)
+
+
+def materialize(packed: PackedKV, side: str, stop: int | None = None, new: torch.Tensor | None = None,
+                dtype: torch.dtype | None = None, fill=None) -> torch.Tensor:
+    """The stored sequence ``sink ‖ dequantized history ‖ recent`` of ``side``, rotated: its first ``stop`` tokens
+    (default all), then ``new [B, H, q, D]`` if given, as one ``[B, H, stop + q, D]`` buffer in ``dtype`` (default
+    the storage's). ``fill(packed, side, out)`` writes the history part (default :func:`fill_history`; the Triton
+    backend passes the dequantize kernel)."""
+    n_sink, n_history, n_recent, _ = packed.lengths()
+    total = n_sink + n_history + n_recent
+    stop = total if stop is None else min(stop, total)
+    sink, _, _, _, _ = packed.side(side)
+    n_sink = min(n_sink, stop)
+    n_hist = min(n_history, stop - n_sink)
+    batch, heads, _, dim = sink.shape
+    extra = 0 if new is None else new.shape[2]
+    out = torch.empty(batch, heads, stop + extra, dim, dtype=dtype or packed.dtype, device=packed.device)
+    out[:, :, :n_sink] = sink[:, :, :n_sink]
+    if n_hist:
+        (fill or fill_history)(packed, side, out[:, :, n_sink : n_sink + n_hist])
+    out[:, :, n_sink + n_hist : stop] = recent_rows(packed, side, stop - n_sink - n_hist)
+    if new is not None:
+        out[:, :, stop:] = new
+    return out

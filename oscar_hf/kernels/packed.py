@@ -1,0 +1,125 @@
+"""PackedKV: one layer's packed K/V storage, the one type every kernel and every torch twin reads and writes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..quantizer import QuantizedRows
+
+
+@dataclass
+class PackedKV:
+    """The rotated sequence ``sink ‖ history ‖ recent`` of one layer, per batch row and KV head.
+
+    Attributes:
+        sink_k, sink_v: the first tokens, model dtype ``[B, H, S, D]`` (``S`` rows of capacity).
+        recent_k, recent_v: the newest tokens, model dtype ``[B, H, R, D]``: a ring buffer whose oldest token is
+            row ``counts[3]``.
+        key, value: the history as ``QuantizedRows``: codes uint8 ``[B, H, N, D·bits/8]``; scale and zero
+            ``[B, H, N, D/group_size]`` per token, or ``[B, H, N/key_token_group, D]`` for per-channel K.
+        counts: sink, history and recent tokens and the ring start: an int32 tensor ``[4]`` or ``[8]`` (a static
+            layer's, on the device; ``[4:8]`` the counts before its last graph step), or a tuple of ints.
+        key_bits, value_bits: code widths (2 or 4).
+        group_size: channels per scale and zero of a per-token row.
+        key_center, value_center: fp32 ``[B, H, 1, D]`` where the history stores ``x − μ``, else None.
+        key_token_group: tokens per K scale row: 1 for per-token K, the token group for per-channel K.
+    """
+
+    sink_k: torch.Tensor
+    sink_v: torch.Tensor
+    recent_k: torch.Tensor
+    recent_v: torch.Tensor
+    key: QuantizedRows
+    value: QuantizedRows
+    counts: torch.Tensor | tuple[int, ...]
+    key_bits: int
+    value_bits: int
+    group_size: int
+    key_center: torch.Tensor | None = None
+    value_center: torch.Tensor | None = None
+    key_token_group: int = 1
+
+    @property
+    def windows(self) -> list[torch.Tensor]:
+        """``[sink K, sink V, recent K, recent V]``, the order the kernels take them in."""
+        return [self.sink_k, self.sink_v, self.recent_k, self.recent_v]
+
+    @property
+    def history(self) -> list[torch.Tensor]:
+        """``[K codes, K scale, K zero, V codes, V scale, V zero]``."""
+        return [*self.key, *self.value]
+
+    @property
+    def centers(self) -> list[torch.Tensor]:
+        """``[μ_K, μ_V]`` where both sides are centered, else ``[]`` (the kernels center both or neither)."""
+        if self.key_center is None or self.value_center is None:
+            return []
+        return [self.key_center, self.value_center]
+
+    def side(self, side: str) -> tuple[torch.Tensor, torch.Tensor, QuantizedRows, torch.Tensor | None, int]:
+        """``(sink, recent, history rows, center, bits)`` of ``side`` ("key" or "value")."""
+        if side == "key":
+            return self.sink_k, self.recent_k, self.key, self.key_center, self.key_bits
+        return self.sink_v, self.recent_v, self.value, self.value_center, self.value_bits
+
+    def lengths(self) -> tuple[int, int, int, int]:
+        """``(sink, history, recent, ring start)`` as ints (reading device counts synchronises)."""
+        counts = self.counts.tolist() if isinstance(self.counts, torch.Tensor) else self.counts
+        return tuple(int(c) for c in counts[:4])
+
+    def device_counts(self) -> torch.Tensor:
+        """The counts as an int32 tensor on the storage's device (the tensor itself where it is one)."""
+        if isinstance(self.counts, torch.Tensor):
+            return self.counts
+        return torch.tensor(self.counts[:4], dtype=torch.int32, device=self.device)
+
+    @property
+    def per_token_keys(self) -> bool:
+        return self.key_token_group == 1
+
+    @property
+    def head_dim(self) -> int:
+        return self.sink_k.shape[-1]
+
+    @property
+    def heads(self) -> int:
+        return self.sink_k.shape[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.sink_k.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.sink_k.device
+
+    @property
+    def history_bytes_per_token(self) -> int:
+        """Bytes of K and V codes, scales and zeros per history token."""
+        return sum(rows.codes.shape[-1] + 2 * rows.scale.shape[-1] * rows.scale.element_size() // (
+            self.key_token_group if rows is self.key else 1) for rows in (self.key, self.value))
+
+    @classmethod
+    def empty(cls, batch: int, heads: int, head_dim: int, *, sink: int, history: int, recent: int,
+              dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", key_bits: int = 2,
+              value_bits: int = 2, group_size: int | None = None, scale_dtype: torch.dtype = torch.float16,
+              centered: bool = False, key_token_group: int = 1) -> "PackedKV":
+        """Uninitialised storage of the given capacities (tokens) with zero counts: for kernels and benchmarks
+        that need no cache."""
+        group = group_size or head_dim
+
+        def rows(bits: int, tokens_per_row: int, columns: int) -> QuantizedRows:
+            meta = (batch, heads, -(-history // tokens_per_row), columns)
+            return QuantizedRows(torch.empty(batch, heads, history, head_dim * bits // 8, dtype=torch.uint8,
+                                             device=device),
+                                 torch.empty(meta, dtype=scale_dtype, device=device),
+                                 torch.empty(meta, dtype=scale_dtype, device=device))
+
+        key_columns = head_dim // group if key_token_group == 1 else head_dim
+        window = [torch.empty(batch, heads, n, head_dim, dtype=dtype, device=device) for n in (sink, sink, recent,
+                                                                                                recent)]
+        center = [torch.zeros(batch, heads, 1, head_dim, device=device) if centered else None for _ in range(2)]
+        return cls(*window, rows(key_bits, key_token_group, key_columns), rows(value_bits, 1, head_dim // group),
+                   (0, 0, 0, 0), key_bits, value_bits, group, *center, key_token_group)
