@@ -27,19 +27,17 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-try:
-    # Importing lm_eval.models.huggingface imports lm_eval.models first, which registers lm-eval's built-in
-    # models; registering "hf-oscar" before that would hide them (get_model only loads them into an empty registry).
-    from lm_eval.api.registry import register_model
-    from lm_eval.models.huggingface import HFLM
-except ImportError as err:
-    raise ImportError("the hf-oscar lm-eval model needs lm-eval: pip install 'oscar-hf[lm-eval]'") from err
-
+from oscar_hf._extras import require
 from oscar_hf.cache import OscarQuantizedCache
 from oscar_hf.config import OscarConfig
 from oscar_hf.evaluation.methods import METHODS, make_cache
 from oscar_hf.model_support import cache_kwargs
 from oscar_hf.rotations import OscarRotations
+
+# Importing lm_eval.models.huggingface imports lm_eval.models first, which registers lm-eval's built-in models;
+# registering "hf-oscar" before that would hide them (get_model only loads them into an empty registry).
+HFLM = require("lm_eval.models.huggingface", "the hf-oscar lm-eval model").HFLM
+register_model = require("lm_eval.api.registry", "the hf-oscar lm-eval model").register_model
 
 # model_args that are OscarConfig overrides -> OscarConfig field. HFLM already takes "backend" (causal/seq2seq).
 CONFIG_ARGS = {f.name: f.name for f in dataclasses.fields(OscarConfig) if f.name != "backend"}
