@@ -147,7 +147,7 @@ def cmd_generate(args) -> None:
 
 
 def cmd_eval(args) -> None:
-    from .evaluation.methods import METHODS
+    from .evaluation.methods import METHODS, check_methods
     from .evaluation.runner import run_eval
     from .rotations import OscarRotations
 
@@ -157,6 +157,7 @@ def cmd_eval(args) -> None:
         if args.methods
         else [m.name for m in METHODS.values() if m.runs_with(calibrated)]
     )
+    check_methods(methods, calibrated)  # before the model loads
     model, tokenizer = load_model(args.model, args.dtype)
     text = Path(args.text).read_text(encoding="utf-8") if args.text else None
     run_eval(

@@ -44,6 +44,25 @@ CONFIG_ARGS = {f.name: f.name for f in dataclasses.fields(OscarConfig) if f.name
 CONFIG_ARGS["oscar_backend"] = "backend"
 
 
+def check_model_args(method: str, rotations: OscarRotations | None, overrides: dict) -> None:
+    """Raise ValueError naming the model_arg at fault: an unknown ``method``, one that cannot run with the loaded
+    ``rotations`` bundle or None (the registry's ``Method.unmet``: a calibrated method without ``rotations=``, ...),
+    OscarConfig ``overrides`` for a method that is not an OSCAR cache or that OscarConfig rejects."""
+    if method not in METHODS:
+        raise ValueError(f"hf-oscar: unknown method={method!r}; known methods: {', '.join(METHODS)}")
+    reason = METHODS[method].unmet(rotations)
+    if reason:
+        needs_bundle = rotations is None and METHODS[method].needs_calibration
+        hint = "; pass rotations=<bundle folder or Hub repo>" if needs_bundle else ""
+        raise ValueError(f"hf-oscar: {reason}{hint}")
+    if overrides and not METHODS[method].is_oscar:
+        raise ValueError(f"hf-oscar: method={method!r} is not an OSCAR cache; it takes no {sorted(overrides)}")
+    try:
+        OscarConfig().replace(**overrides)
+    except ValueError as err:
+        raise ValueError(f"hf-oscar model_args: {err}") from None
+
+
 @register_model("hf-oscar")
 class OscarHFLM(HFLM):
     """HFLM whose generation and scoring run through an OSCAR quantized KV cache.
@@ -54,31 +73,22 @@ class OscarHFLM(HFLM):
             calibrated methods, and its recommended config is the base of every method's config.
         rotations_subfolder: subfolder of ``rotations``.
         method: a name in oscar_hf.evaluation.METHODS ("oscar", "oscar-lloyd-max", "quarot-int2",
-            "naive-int2", "int4", "bf16"); default "oscar".
+            "naive-int2", "int4", "bf16", ...); default "oscar". ``Method.needs_calibration`` says which need
+            ``rotations``.
         **kwargs: OscarConfig fields (``recent_tokens=128``, ``k_clip=1.0``; its ``backend`` is
             ``oscar_backend``), applied on top of the method's config; everything else goes to HFLM.
     """
 
     def __init__(self, pretrained, rotations: str | None = None, rotations_subfolder: str | None = None,
                  method: str = "oscar", **kwargs):
-        if method not in METHODS:
-            raise ValueError(f"hf-oscar: unknown method={method!r}; known methods: {', '.join(METHODS)}")
-        if METHODS[method].rotations == "calibrated" and rotations is None:
-            raise ValueError(f"hf-oscar: method={method!r} needs calibrated rotations: pass rotations=<bundle folder "
-                             f"or Hub repo>, or a data-free method (quarot-int2, naive-int2, int4, bf16)")
         overrides = {CONFIG_ARGS[name]: kwargs.pop(name) for name in list(kwargs) if name in CONFIG_ARGS}
-        if overrides and METHODS[method].rotations is None:
-            raise ValueError(f"hf-oscar: method={method!r} keeps the default cache; it takes no {sorted(overrides)}")
-        try:
-            OscarConfig().replace(**overrides)
-        except ValueError as err:
-            raise ValueError(f"hf-oscar model_args: {err}") from None
-        self.oscar_method = method
-        self.oscar_overrides = overrides
-        self.oscar_rotations_source = "/".join(filter(None, [rotations, rotations_subfolder])) or None
         self.oscar_rotations = (
             OscarRotations.from_pretrained(rotations, subfolder=rotations_subfolder) if rotations else None
         )
+        check_model_args(method, self.oscar_rotations, overrides)  # before the model loads
+        self.oscar_method = method
+        self.oscar_overrides = overrides
+        self.oscar_rotations_source = "/".join(filter(None, [rotations, rotations_subfolder])) or None
         super().__init__(pretrained, **kwargs)
         # A first cache checks model, bundle and config together and routes the model's attention through oscar_hf.
         cache = self.new_cache()

@@ -88,12 +88,13 @@ def test_without_optional_packages_the_core_runs_and_each_feature_names_its_extr
         "error('demo', lambda: models._convert(models.SMOLLM2, models.Path(out_dir) / 'smollm2'))\n"
         "error('datasets', lambda: cli.load_texts('org/some-dataset'))\n"
         "error('lm-eval', lambda: __import__('oscar_hf.lm_eval_model'))\n"
+        "error('baselines', lambda: make_cache('quanto-int2', model))\n"
         "print(json.dumps(errors))\n"
     )
-    assert set(result) == {"plots", "demo", "datasets", "lm-eval"}, result
+    assert set(result) == {"plots", "demo", "datasets", "lm-eval", "baselines"}, result
     for extra, message in result.items():
         assert f'pip install "oscar-hf[{extra}]"' in message, message
-        assert message.startswith("MissingExtraError"), message
+        assert message.startswith("ValueError" if extra == "baselines" else "MissingExtraError"), message
 
 
 def test_extras_install_what_the_error_messages_name():

@@ -10,6 +10,7 @@ import torch
 from .._extras import pyplot, require
 from ..tokens import bos_prefix
 from .gsm8k import evaluate_gsm8k, load_gsm8k
+from .methods import check_methods
 from .niah import evaluate_niah, misses_where_reference_found, plot_niah
 from .perplexity import evaluate_perplexity, text_segments
 
@@ -38,10 +39,11 @@ def run_eval(
 ) -> list[dict]:
     """Evaluate ``methods`` on ``tasks``; returns the rows and writes ``out_dir/results.csv`` (NIAH rows also give
     the needle's depth and index in its cell) and PNG plots (perplexity, NIAH: they need matplotlib, the "plots"
-    extra)."""
+    extra). Every method is checked against ``calibrated`` before anything runs."""
     unknown = sorted(set(tasks) - set(TASKS))
     if unknown:
         raise ValueError(f"unknown task(s) {unknown}; known: {list(TASKS)}")
+    check_methods(methods, calibrated)
     if {"perplexity", "niah"} & set(tasks):
         require("matplotlib", "oscar-hf eval's plots")  # fail now, not after the evaluation
     if {"perplexity", "niah"} & set(tasks) and not text:
