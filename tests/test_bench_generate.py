@@ -41,10 +41,10 @@ def test_smoke_run_writes_every_row_with_finite_numbers(tmp_path):
         rows = list(csv.DictReader(f))
     profile = bench.SMOKE
     grid = {(r["model"], r["method"], int(r["T"]), int(r["batch"])): r for r in rows if r["kind"] == "grid"}
-    assert set(grid) == set(itertools.product(profile.models, bench.METHODS, profile.lengths, profile.batches))
+    assert set(grid) == set(itertools.product(profile.models, bench.DEFAULT_METHODS, profile.lengths, profile.batches))
     prefilled = set(bench.prefill_cases(profile))
     for (_, method, length, batch), row in grid.items():
-        if not bench.METHODS[method].installed():
+        if not bench.BenchMethod.parse(method).installed():
             assert row["status"] == "not-installed"
             continue
         assert row["status"] == "ok", row
@@ -108,7 +108,7 @@ def test_smoke_run_with_both_decodings(tmp_path):
     stays per step)."""
     run = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--device", "cpu", "--out", str(tmp_path),
                           "--decodings", "generate,overlapped", "--models", "qwen3-tiny", "--methods",
-                          "oscar-compiled,bf16-static-compiled", "--lengths", "128", "--batches", "1",
+                          "oscar+compiled,bf16+compiled", "--lengths", "128", "--batches", "1",
                           "--no-capacity"],
                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
                          timeout=180)
@@ -116,7 +116,7 @@ def test_smoke_run_with_both_decodings(tmp_path):
     with open(tmp_path / "bench_generate_cpu-smoke.csv") as f:
         rows = [r for r in csv.DictReader(f) if r["kind"] == "grid"]
     assert [(r["method"], r["decoding"]) for r in rows] == list(itertools.product(
-        ["oscar-compiled", "bf16-static-compiled"], ["generate", "overlapped"]))
+        ["oscar+compiled", "bf16+compiled"], ["generate", "overlapped"]))
     assert all(r["status"] == "ok" and r["stop_check"] == "every step" for r in rows), rows
     assert [r["prefill_status"] for r in rows] == ["ok", "", "ok", ""]  # prefill once, in the first decoding's row
 
@@ -159,7 +159,7 @@ def test_capacity_search_starts_at_the_estimate_and_stops_at_the_first_oom(monke
     device = FakeDevice(monkeypatch, fits=5, free_gib=free_gib)
     model = SimpleNamespace(device=torch.device("cpu"))  # so decode_case skips its memory pre-check
     profile = replace(bench.FULL, max_batch=64, budget_s=math.inf)
-    result = bench.capacity_case(model, bench.METHODS["oscar"], 131072, profile)
+    result = bench.capacity_case(model, bench.BenchMethod.parse("oscar"), 131072, profile)
     assert device.tried == tried
     assert result["batch"] == 5 and result["status"] == "ok (batch 6: oom)"
 
@@ -175,13 +175,13 @@ def test_prefill_is_retried_in_chunks_after_an_oom(monkeypatch):
 
     monkeypatch.setattr(bench, "measure_prefill", measure_prefill)
     profile = replace(bench.FULL, budget_s=math.inf)
-    result = bench.prefill_case(None, bench.METHODS["bf16-static-compiled"], 131072, 1, profile)
+    result = bench.prefill_case(None, bench.BenchMethod.parse("bf16+compiled"), 131072, 1, profile)
     assert chunks == [None, profile.prefill_chunk]
     assert result == {"prefill_s": 1.5, "prefill_chunk": profile.prefill_chunk, "prefill_status": "ok"}
 
 
-@pytest.mark.parametrize("name, kernels", [("oscar-compiled", 0), ("bf16-static-compiled", 0), ("oscar-compiled", 3)])
-def test_compiled_forward_is_replayed_without_generate(name, kernels, capsys):
+@pytest.mark.parametrize("name, kernels", [("oscar+compiled", 0), ("bf16+compiled", 0), ("oscar+compiled", 3)])
+def test_compiled_forward_is_replayed_without_generate(name, kernels, capsys, monkeypatch):
     """forward_ms: generate's compiled decode forward, called again with its last inputs (each call counts one more
     token in the cache), without recompiling; the recorder is removed afterwards. --kernels profiles more replays
     (the cache has room for them) and logs the longest kernels (ops, on the CPU)."""
@@ -192,8 +192,10 @@ def test_compiled_forward_is_replayed_without_generate(name, kernels, capsys):
     config._compile_all_devices = True
     model.generation_config.compile_config = config
     profile = replace(bench.SMOKE, steps=2, warmup=2, kernels=kernels)
-    made, make = [], bench.METHODS[name].make
-    method = replace(bench.METHODS[name], make=lambda model, tokens: made.append(make(model, tokens)) or made[-1])
+    made, make = [], bench.BenchMethod.make
+    monkeypatch.setattr(bench.BenchMethod, "make", lambda self, model, tokens: made.append(make(self, model, tokens))
+                        or made[-1])
+    method = bench.BenchMethod.parse(name)
     bench.use_attention(model, method)
     row = bench.measure_decode(model, method, 96, 1, profile, "generate")
     assert row["compiled"] and row["forward_ms"] > 0 and "status" not in row, row.get("status")
@@ -233,7 +235,7 @@ def test_split_map_spreads_the_layers_evenly_in_order():
 
 
 def test_gqa_attention_gives_transformers_sdpa_logits_over_a_static_cache():
-    """bf16-static-gqa-compiled's attention (SDPA's own GQA under the mask, no repeated K/V) against transformers'
+    """bf16+compiled+gqa's attention (SDPA's own GQA under the mask, no repeated K/V) against transformers'
     sdpa attention: a left-padded batch over a static cache with unused slots, prefill and four decode steps."""
     model = bench.build_model("qwen3-tiny", torch.device("cpu")).float()
     ids = torch.randint(1, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -248,3 +250,33 @@ def test_gqa_attention_gives_transformers_sdpa_logits_over_a_static_cache():
         logits.append(torch.stack(out.logits))
     assert model.config.num_attention_heads > model.config.num_key_value_heads  # GQA
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+
+
+def test_methods_are_the_registrys_run_a_benchmark_way():
+    """Every benchmarked method is a registry method (oscar_hf.evaluation.METHODS) with benchmark-only variants: its
+    cache is the one make_cache builds (a Hadamard bundle standing in for a calibrated one), static for +compiled,
+    and +absorbed folds that bundle's R_V into the model; combinations that cannot run are refused by name."""
+    from oscar_hf import OscarRotations
+    from oscar_hf.evaluation import METHODS, make_cache
+
+    for spec in bench.DEFAULT_METHODS:
+        method = bench.BenchMethod.parse(spec)
+        assert method.name == spec and method.method is METHODS[spec.split("+")[0]]
+    assert bench.BenchMethod.parse("oscar+compiled+absorbed").name == "oscar+absorbed+compiled"
+    model = bench.build_model("qwen3-tiny", torch.device("cpu"))
+    bundle = OscarRotations.hadamard(model.config)
+    for spec in ("oscar", "oscar-k4+compiled", "kivi-2", "oscar-channel-k+compiled"):
+        cache = bench.BenchMethod.parse(spec).make(model, 64)
+        assert cache.config == make_cache(spec.split("+")[0], model, bundle).config, spec
+        assert cache.is_compileable == spec.endswith("+compiled"), spec
+    assert type(bench.BenchMethod.parse("bf16").make(model, 64)).__name__ == "DynamicCache"
+    assert isinstance(bench.BenchMethod.parse("bf16+compiled").make(model, 64), StaticCache)
+    weight = model.model.layers[0].self_attn.v_proj.weight.clone()
+    absorbed = bench.BenchMethod.parse("oscar+absorbed+compiled").make(model, 64)
+    assert torch.equal(absorbed.rotations.value_rotation[0], torch.eye(64))
+    assert not torch.equal(model.model.layers[0].self_attn.v_proj.weight, weight)
+    for spec, reason in (("int3", "unknown method"), ("oscar+fast", "unknown variant"),
+                         ("oscar-k4-half", "diagnostics"), ("quanto-int2+compiled", "compile"),
+                         ("quarot-int2+absorbed", "absorbed"), ("oscar+gqa", "gqa")):
+        with pytest.raises(ValueError, match=reason):
+            bench.BenchMethod.parse(spec)

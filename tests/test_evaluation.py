@@ -2,6 +2,7 @@
 
 import csv
 import json
+import re
 import string
 
 import pytest
@@ -10,9 +11,9 @@ from conftest import make_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from oscar_hf import OscarConfig, OscarRotations
+from oscar_hf import OscarConfig, OscarRotations, cli
 from oscar_hf.cli import main
-from oscar_hf.evaluation import METHODS, make_cache
+from oscar_hf.evaluation import METHODS, make_cache, runner
 from oscar_hf.evaluation.gsm8k import evaluate_gsm8k, extract_answer, load_gsm8k
 from oscar_hf.evaluation.niah import NEEDLE, evaluate_niah, misses_where_reference_found, needle_prompt
 from oscar_hf.evaluation.perplexity import evaluate_perplexity, text_segments
@@ -55,6 +56,8 @@ def test_methods_registry_presets():
         "oscar-k4-half",
         "oscar-channel-k",
         "oscar-lloyd-max",
+        "quanto-int2",
+        "hqq-int2",
     ]
     assert type(make_cache("bf16", model)).__name__ == "DynamicCache"
     int4 = make_cache("int4", model)
@@ -106,6 +109,52 @@ def test_methods_registry_presets():
     assert [layer.config.side_bits["key"] for layer in half.layers] == [2, 4]
     calibrated.config = OscarConfig(key_bits=4, key_bits_layers=[0])  # the 2-bit presets drop the layer list too
     assert make_cache("oscar", model, calibrated).config.key_bits_layers is None
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_callers_follow_the_registrys_rule_for_calibration(name, tmp_path, monkeypatch):
+    """A method runs without a calibrated bundle exactly when its registry entry says it needs none
+    (``Method.needs_calibration``; the diagnostics and the package it needs, too: ``Method.unmet``), and every
+    caller follows that one rule, refusing before any work: make_cache, run_eval and ``oscar-hf eval`` (before the
+    model loads)."""
+    method = METHODS[name]
+    model = make_model("llama-mha-d64")
+    bundle = OscarRotations.hadamard(model.config)
+    bundle.diagnostics = [{"layer": 0, "score_kl": 0.1}, {"layer": 1, "score_kl": 0.3}]
+    bundle.save_pretrained(tmp_path / "bundle")
+
+    class Loading(Exception):
+        """The command got past its checks and loads the model."""
+
+    def load_model(name, dtype):
+        raise Loading
+
+    monkeypatch.setattr(cli, "load_model", load_model)
+    for calibrated in (None, bundle):
+        runs = method.runs_with(calibrated)
+        assert runs == (method.installed() and (calibrated is not None or not method.needs_calibration)), calibrated
+        assert method.needs_calibration == (method.rotations in ("calibrated", "calibrated-values"))
+        if runs:
+            make_cache(name, model, calibrated)
+            assert run_eval(model, None, "m", [name], [], tmp_path / "out", calibrated=calibrated) == []
+        else:
+            with pytest.raises(ValueError, match="calibrated rotations" if method.installed() else "pip install"):
+                make_cache(name, model, calibrated)
+            with pytest.raises(ValueError, match=re.escape(method.unmet(calibrated))):
+                run_eval(model, None, "m", [name], [], tmp_path / "out", calibrated=calibrated)
+        bundle_args = ["--rotations", str(tmp_path / "bundle")] if calibrated else []
+        with pytest.raises(Loading if runs else SystemExit):
+            main(["eval", "--model", "m", "--methods", name, "--out", str(tmp_path / "out"), *bundle_args])
+
+
+def test_cli_eval_runs_every_method_the_bundle_allows(tmp_path, monkeypatch):
+    """Without --methods, ``oscar-hf eval`` runs the methods the registry says can run: without a bundle, the
+    data-free ones (those installed)."""
+    chosen = []
+    monkeypatch.setattr(cli, "load_model", lambda name, dtype: (None, None))
+    monkeypatch.setattr(runner, "run_eval", lambda model, tokenizer, name, methods, *_, **__: chosen.append(methods))
+    main(["eval", "--model", "m", "--out", str(tmp_path)])
+    assert chosen == [[m.name for m in METHODS.values() if not m.needs_calibration and m.installed()]]
 
 
 def test_perplexity_puts_the_cache_in_the_loop():

@@ -19,6 +19,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
 from oscar_hf import OscarQuantizedCache, OscarRotations, cache_kwargs  # noqa: E402
+from oscar_hf.evaluation import METHODS  # noqa: E402
 from oscar_hf.lm_eval_model import OscarHFLM  # noqa: E402
 
 WORDS = ("the a cat dog fish bird red blue green sun moon tree house river stone runs sees eats likes "
@@ -180,6 +181,7 @@ def test_builtin_models_stay_registered():
     ({"method": "int3"}, "method"),
     ({}, "rotations"),
     ({"method": "oscar-lloyd-max"}, "rotations"),
+    ({"method": "oscar-channel-k"}, "rotations"),
     ({"rotations": "ROTATIONS", "k_clip": 2.0}, "k_clip"),
     ({"method": "bf16", "recent_tokens": 8}, "recent_tokens"),
 ])
@@ -187,6 +189,19 @@ def test_bad_model_args_name_the_argument(assets, model_args, argument):
     model_args = {k: assets["rotations"] if v == "ROTATIONS" else v for k, v in model_args.items()}
     with pytest.raises(ValueError, match=argument):
         OscarHFLM(pretrained=assets["model"], device="cpu", **model_args)
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_methods_need_rotations_as_the_registry_says(assets, name):
+    """hf-oscar refuses a method without ``rotations=`` exactly when the registry's Method cannot run without a
+    bundle (``Method.needs_calibration``, or a package that is not installed), and before loading the model."""
+    method = METHODS[name]
+    if method.runs_with(None):
+        lm = OscarHFLM(pretrained=assets["model"], device="cpu", method=name)
+        assert lm.get_model_info()["oscar_method"] == name
+    else:
+        with pytest.raises(ValueError, match="rotations=" if method.needs_calibration else "pip install"):
+            OscarHFLM(pretrained="/nonexistent/model", device="cpu", method=name)
 
 
 def test_oscar_lm_eval_command(assets, tmp_path):

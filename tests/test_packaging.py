@@ -1,10 +1,32 @@
-"""Packaging: every subpackage ships, and the README's first two commands stay what CI runs."""
+"""Packaging: every subpackage ships, the README's first two commands stay what CI runs, and the optional packages
+stay optional (never imported by ``import oscar_hf``; a missing one names the extra that installs it)."""
 
+import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import tomllib
 
+from oscar_hf._extras import EXTRAS
+
 ROOT = Path(__file__).resolve().parent.parent
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+OPTIONAL = ("lm_eval", "matplotlib", "gguf", "datasets")
+
+
+def run_python(code: str) -> dict:
+    """Run ``code`` in a fresh interpreter on this checkout; it prints one JSON object as its last line."""
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def requirement_names(requirements: list[str]) -> set[str]:
+    return {re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0].lower() for r in requirements}
 
 
 def test_every_subpackage_is_listed_in_pyproject():
@@ -19,3 +41,71 @@ def test_readme_commands():
     blocks = [b.split("```")[0].strip() for b in readme.split("```bash\n")[1:3]]
     assert blocks[0].endswith("oscar-hf demo") and "pip install" in blocks[0]
     assert blocks[1].endswith("pytest") and blocks[1] in ci
+
+
+def test_import_oscar_hf_loads_no_optional_package():
+    """``import oscar_hf`` in a fresh interpreter, then the command's modules (cli, demo, the eval runner, the
+    PyPI model loader): none of them imports lm_eval, matplotlib, gguf or datasets."""
+    loaded = run_python(
+        "import json, sys\n"
+        f"optional = {OPTIONAL + ('optimum', 'hqq')!r}\n"
+        "import oscar_hf\n"
+        "core = [m for m in optional if m in sys.modules]\n"
+        "import oscar_hf.cli, oscar_hf.demo, oscar_hf.evaluation.runner, oscar_hf.models\n"
+        "commands = [m for m in optional if m in sys.modules]\n"
+        "print(json.dumps({'import oscar_hf': core, 'commands': commands}))\n"
+    )
+    assert loaded == {"import oscar_hf": [], "commands": []}
+
+
+def test_without_optional_packages_the_core_runs_and_each_feature_names_its_extra():
+    """With every optional package unimportable, a quantized cache still generates and ``oscar-hf``'s parser
+    builds; each feature that needs one fails, before doing any work, naming ``pip install "oscar-hf[<extra>]"``."""
+    result = run_python(
+        "import json, sys, tempfile\n"
+        f"for name in {tuple(EXTRAS)!r}:\n"
+        "    sys.modules[name] = None  # import fails as if it were not installed\n"
+        "import torch, transformers\n"
+        "import oscar_hf\n"
+        "from oscar_hf import cli, models\n"
+        "from oscar_hf.evaluation import METHODS, make_cache, runner\n"
+        "config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,\n"
+        "                                  num_attention_heads=2, num_key_value_heads=1, head_dim=32)\n"
+        "model = transformers.AutoModelForCausalLM.from_config(config).eval()\n"
+        "cache = make_cache('quarot-int2', model, recent_tokens=4, sink_tokens=4)\n"
+        "ids = torch.arange(1, 25)[None]\n"
+        "out = model.generate(ids, max_new_tokens=3, do_sample=False, **oscar_hf.cache_kwargs(model, cache))\n"
+        "assert out.shape == (1, 27) and isinstance(cache, oscar_hf.OscarQuantizedCache)\n"
+        "assert cli.build_parser().parse_args(['demo']).command == 'demo'\n"
+        "errors = {}\n"
+        "def error(key, call):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except Exception as err:\n"
+        "        errors[key] = f'{type(err).__name__}: {err}'\n"
+        "out_dir = tempfile.mkdtemp()\n"
+        "error('plots', lambda: runner.run_eval(None, None, 'm', ['bf16'], ['perplexity'], out_dir, text='x'))\n"
+        "error('demo', lambda: models._convert(models.SMOLLM2, models.Path(out_dir) / 'smollm2'))\n"
+        "error('datasets', lambda: cli.load_texts('org/some-dataset'))\n"
+        "error('lm-eval', lambda: __import__('oscar_hf.lm_eval_model'))\n"
+        "error('baselines', lambda: make_cache('quanto-int2', model))\n"
+        "print(json.dumps(errors))\n"
+    )
+    assert set(result) == {"plots", "demo", "datasets", "lm-eval", "baselines"}, result
+    for extra, message in result.items():
+        assert f'pip install "oscar-hf[{extra}]"' in message, message
+        assert message.startswith("ValueError" if extra == "baselines" else "MissingExtraError"), message
+
+
+def test_extras_install_what_the_error_messages_name():
+    """Every optional package is in the extra its error names, not in the core dependencies; matplotlib is its own
+    extra; ``test`` installs every extra's packages but the benchmark baselines; the demo needs no plots."""
+    extras = {name: requirement_names(listed) for name, listed in PYPROJECT["optional-dependencies"].items()}
+    core = requirement_names(PYPROJECT["dependencies"])
+    for module, (package, extra) in EXTRAS.items():
+        assert package in extras[extra] and package not in core, (module, package, extra)
+    assert extras["plots"] == {"matplotlib"}
+    assert set().union(*(packages for name, packages in extras.items() if name not in ("test", "baselines"))) <= \
+        extras["test"]
+    demo_source = (ROOT / "oscar_hf" / "demo.py").read_text()
+    assert "matplotlib" not in demo_source and "pyplot" not in demo_source

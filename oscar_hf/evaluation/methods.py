@@ -1,16 +1,19 @@
-"""The methods registry: each KV-cache method is a named preset of OscarConfig plus rotations.
+"""The methods registry: each KV-cache method is a named preset of OscarConfig plus rotations, or a baseline cache.
 
-``rotations`` says where a method's rotations come from: None (the default cache, no OSCAR at
-all), "identity", "hadamard" (data-free), "calibrated" (the bundle given to the harness), or
-"calibrated-values" (that bundle's V rotations, identity for K).
+``rotations`` says where a method's rotations come from: None (no OSCAR: the model's default cache, or
+transformers' QuantizedCache for ``quantized_cache``), "identity", "hadamard" (data-free), "calibrated" (the bundle
+given to the harness), or "calibrated-values" (that bundle's V rotations, identity for K). ``Method.unmet`` is the one
+rule for what a method needs (a calibrated bundle, its diagnostics, an optional package); the evaluation harness,
+``oscar-hf eval``, the ``hf-oscar`` lm-eval model and eval/bench_generate.py all read it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from transformers import DynamicCache
+from transformers import DynamicCache, QuantizedCache
 
+from .._extras import install_hint, installed
 from ..cache import OscarQuantizedCache
 from ..config import OscarConfig
 from ..diagnostics import most_sensitive_layers
@@ -20,22 +23,69 @@ NO_CLIP = {"k_clip": 1.0, "v_clip": 1.0}
 # the baselines, without our additions; K as many bits as V whatever the calibrated bundle's config says
 AS_PUBLISHED = {"quantizer": "uniform", "centering": False, "key_bits": None, "key_bits_layers": None, **NO_CLIP}
 INT2 = {"bits": 2, "key_bits": None, "key_bits_layers": None}
+ROTATION_SOURCES = (None, "identity", "hadamard", "calibrated", "calibrated-values")
+CALIBRATED = ("calibrated", "calibrated-values")  # the sources that read the calibrated bundle
+QUANTIZED_CACHE_MODULES = {"quanto": "optimum.quanto", "hqq": "hqq"}  # QuantizedCache backend -> module it needs
 
 
 @dataclass(frozen=True)
 class Method:
     name: str
     description: str
-    rotations: str | None
-    config: dict = field(default_factory=dict)
+    rotations: str | None  # one of ROTATION_SOURCES
+    config: dict = field(default_factory=dict)  # OscarConfig fields; for quantized_cache only "bits"
     key_bits_fraction: float | None = None  # key_bits for this fraction of the layers, the most sensitive ones
+    quantized_cache: str | None = None  # instead of OSCAR: transformers' QuantizedCache with this backend
+
+    def __post_init__(self):
+        if self.rotations not in ROTATION_SOURCES:
+            raise ValueError(f"method {self.name!r}: rotations={self.rotations!r}, not one of {ROTATION_SOURCES}")
+        if self.quantized_cache is not None and (
+            self.rotations is not None or self.quantized_cache not in QUANTIZED_CACHE_MODULES
+        ):
+            raise ValueError(f"method {self.name!r}: quantized_cache takes one of {list(QUANTIZED_CACHE_MODULES)}, "
+                             "and no rotations")
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether the method reads a calibrated bundle (its rotations, or only their V half): it cannot run
+        without one."""
+        return self.rotations in CALIBRATED
+
+    @property
+    def needs_diagnostics(self) -> bool:
+        """Whether the method also needs the bundle's calibration diagnostics (``key_bits_fraction`` ranks the
+        layers by them)."""
+        return self.key_bits_fraction is not None
+
+    @property
+    def is_oscar(self) -> bool:
+        """Whether the method's cache is an OscarQuantizedCache (it then takes OscarConfig overrides)."""
+        return self.rotations is not None
+
+    @property
+    def requires(self) -> str | None:
+        """The optional module the method's cache needs, if any."""
+        return QUANTIZED_CACHE_MODULES.get(self.quantized_cache)
+
+    def installed(self) -> bool:
+        return self.requires is None or installed(self.requires)
+
+    def unmet(self, calibrated: OscarRotations | None) -> str | None:
+        """Why the method cannot run with this calibrated bundle (or None): it needs one, or its diagnostics, or a
+        package that is not installed; None when it can run."""
+        if self.needs_calibration and calibrated is None:
+            return (f"method {self.name!r} needs calibrated rotations (a bundle made by `oscar-hf calibrate`); the "
+                    f"data-free methods are {', '.join(m.name for m in METHODS.values() if not m.needs_calibration)}")
+        if self.needs_diagnostics and (calibrated is None or not calibrated.diagnostics):
+            return f"method {self.name!r} needs a bundle with calibration diagnostics (to rank the layers)"
+        if not self.installed():
+            return install_hint(self.requires, f"method {self.name!r}")
+        return None
 
     def runs_with(self, calibrated: OscarRotations | None) -> bool:
-        """Whether the method can run with this calibrated bundle (or None): calibrated rotations need one, and
-        ``key_bits_fraction`` its diagnostics."""
-        if self.rotations is None or not self.rotations.startswith("calibrated"):
-            return True
-        return calibrated is not None and (self.key_bits_fraction is None or bool(calibrated.diagnostics))
+        """Whether the method can run with this calibrated bundle (or None): :meth:`unmet` finds nothing."""
+        return self.unmet(calibrated) is None
 
     def oscar_config(self, base: OscarConfig | None, head_dim: int, diagnostics: list[dict] | None = None
                      ) -> OscarConfig:
@@ -142,29 +192,78 @@ METHODS: dict[str, Method] = {
             "calibrated",
             {"quantizer": "lloyd-max", "centering": True, **INT2},
         ),
+        # transformers' own quantized cache, in its defaults but for the bits: INT2 codes in groups of 64 values, the
+        # newest tokens (up to 128) in the model dtype; pip install "oscar-hf[baselines]"
+        Method(
+            "quanto-int2",
+            "transformers' QuantizedCache with optimum-quanto: INT2 in groups of 64, a residual of up to 128 tokens",
+            None,
+            {"bits": 2},
+            quantized_cache="quanto",
+        ),
+        Method(
+            "hqq-int2",
+            "transformers' QuantizedCache with HQQ: INT2 in groups of 64, a residual of up to 128 tokens",
+            None,
+            {"bits": 2},
+            quantized_cache="hqq",
+        ),
     )
 }
 
 
+def check_methods(names, calibrated: OscarRotations | None) -> None:
+    """Raise ValueError for the first name that is not in METHODS or whose method cannot run with ``calibrated``
+    (:meth:`Method.unmet`): before a run starts, not when it reaches that method."""
+    for name in names:
+        if name not in METHODS:
+            raise ValueError(f"unknown method {name!r}; known: {', '.join(METHODS)}")
+        reason = METHODS[name].unmet(calibrated)
+        if reason:
+            raise ValueError(reason)
+
+
 def stored_bits(cache, model) -> float:
-    """Bits per stored K/V element: the OSCAR cache's own count, else the model dtype's width (default cache)."""
+    """Bits per stored K/V element: the OSCAR cache's own count; for transformers' QuantizedCache, its codes plus a
+    scale and a zero per group in the model dtype for the quantized tokens and the model dtype for the residual,
+    averaged over layers and tokens; else the model dtype's width (default cache)."""
+    dtype_bits = 8.0 * next(model.parameters()).element_size()
     bits = getattr(cache, "bits_per_element", None)
-    return bits if bits else 8.0 * next(model.parameters()).element_size()
+    if bits:
+        return bits
+    if isinstance(cache, QuantizedCache):
+        total = tokens = 0.0
+        for layer in cache.layers:
+            held = int(layer.get_seq_length())
+            residual = layer.keys.shape[-2] if getattr(layer, "keys", None) is not None and layer.keys.dim() == 4 else 0
+            total += (held - residual) * (layer.nbits + 2 * dtype_bits / layer.q_group_size) + residual * dtype_bits
+            tokens += held
+        return total / tokens if tokens else dtype_bits
+    return dtype_bits
 
 
-def make_cache(method: str | Method, model, calibrated: OscarRotations | None = None, **overrides):
-    """A fresh cache for ``method``: a DynamicCache for "bf16", else an OscarQuantizedCache."""
+def make_cache(method: str | Method, model, calibrated: OscarRotations | None = None,
+               max_cache_len: int | None = None, **overrides):
+    """A fresh cache for ``method``: the default DynamicCache ("bf16"), transformers' QuantizedCache
+    (``quantized_cache``), or an OscarQuantizedCache, whose buffers ``max_cache_len`` allocates up front (static)
+    and whose method config ``overrides`` (OscarConfig fields) amend. Raises ValueError when the method cannot run
+    with ``calibrated`` (:meth:`Method.unmet`)."""
     method = METHODS[method] if isinstance(method, str) else method
-    if method.rotations is None:
+    reason = method.unmet(calibrated)
+    if reason:
+        raise ValueError(reason)
+    if not method.is_oscar:
+        if overrides or max_cache_len is not None:
+            raise ValueError(f"method {method.name!r} is not an OSCAR cache: it takes no max_cache_len or "
+                             f"OscarConfig overrides {sorted(overrides)}")
+        if method.quantized_cache:
+            return QuantizedCache(backend=method.quantized_cache, config=model.config, nbits=method.config["bits"])
         return DynamicCache(config=model.config)
-    if method.rotations.startswith("calibrated"):
-        if calibrated is None:
-            raise ValueError(f"method {method.name!r} needs calibrated rotations (--rotations)")
+    if method.needs_calibration:
         rotations = calibrated if method.rotations == "calibrated" else calibrated.with_identity_keys()
     else:
         rotations = getattr(OscarRotations, method.rotations)(model.config)
     base = calibrated.config if calibrated is not None else None
-    head_dim = rotations.head_dim
     diagnostics = calibrated.diagnostics if calibrated is not None else None
-    config = method.oscar_config(base, head_dim, diagnostics).replace(**overrides)
-    return OscarQuantizedCache.from_pretrained(rotations, model=model, config=config)
+    config = method.oscar_config(base, rotations.head_dim, diagnostics).replace(**overrides)
+    return OscarQuantizedCache.from_pretrained(rotations, model=model, config=config, max_cache_len=max_cache_len)

@@ -6,6 +6,7 @@ import random
 
 import torch
 
+from .._extras import pyplot
 from ..model_support import cache_kwargs
 from .methods import make_cache, stored_bits
 
@@ -99,11 +100,7 @@ def misses_where_reference_found(rows: list[dict], reference: str = "bf16") -> d
 def plot_niah(rows: list[dict], path) -> None:
     """One heatmap (depth × length, the fraction of the cell's needles found) per method, side by side, saved as
     PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot("the NIAH plot")
     rows = [r for r in rows if r["task"] == "niah"]
     methods = list(dict.fromkeys(r["method"] for r in rows))
     lengths = sorted({r["target_length"] for r in rows})

@@ -7,8 +7,10 @@ from pathlib import Path
 
 import torch
 
+from .._extras import pyplot, require
 from ..tokens import bos_prefix
 from .gsm8k import evaluate_gsm8k, load_gsm8k
+from .methods import check_methods
 from .niah import evaluate_niah, misses_where_reference_found, plot_niah
 from .perplexity import evaluate_perplexity, text_segments
 
@@ -36,10 +38,14 @@ def run_eval(
     gsm8k_limit: int | None = None,
 ) -> list[dict]:
     """Evaluate ``methods`` on ``tasks``; returns the rows and writes ``out_dir/results.csv`` (NIAH rows also give
-    the needle's depth and index in its cell) and PNG plots."""
+    the needle's depth and index in its cell) and PNG plots (perplexity, NIAH: they need matplotlib, the "plots"
+    extra). Every method is checked against ``calibrated`` before anything runs."""
     unknown = sorted(set(tasks) - set(TASKS))
     if unknown:
         raise ValueError(f"unknown task(s) {unknown}; known: {list(TASKS)}")
+    check_methods(methods, calibrated)
+    if {"perplexity", "niah"} & set(tasks):
+        require("matplotlib", "oscar-hf eval's plots")  # fail now, not after the evaluation
     if {"perplexity", "niah"} & set(tasks) and not text:
         raise ValueError("the perplexity and niah tasks need an evaluation text (--text)")
     if "gsm8k" in tasks and not gsm8k_path:
@@ -113,11 +119,7 @@ def format_results(rows: list[dict]) -> str:
 
 def plot_perplexity(rows: list[dict], path: Path) -> None:
     """Perplexity gap to bf16 against context, one line per method (bits per element in the legend)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot("the perplexity plot")
     ppl = [r for r in rows if r["metric"] == "perplexity"]
     reference = {r["context"]: r["value"] for r in ppl if r["method"] == "bf16"}
     fig, ax = plt.subplots(figsize=(5, 3.5))
