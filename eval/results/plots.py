@@ -26,10 +26,10 @@ HERE = Path(__file__).resolve().parent
 OUT = HERE / "figures"
 GENERATE_BATCH1 = ["h100-qwen3-8b-quantized-4k-32k.csv", "h100-qwen3-8b-quantized-128k.csv"]
 LABELS = {
-    "oscar-absorbed-compiled": "OSCAR (INT2, compiled)",
-    "bf16-static-gqa-compiled": "bf16 static cache (compiled)",
-    "quantized-quanto": "QuantizedCache, quanto INT2",
-    "quantized-hqq": "QuantizedCache, HQQ INT2",
+    "oscar+absorbed+compiled": "OSCAR (INT2, compiled)",
+    "bf16+compiled+gqa": "bf16 static cache (compiled)",
+    "quanto-int2": "QuantizedCache, quanto INT2",
+    "hqq-int2": "QuantizedCache, HQQ INT2",
 }
 
 
