@@ -197,8 +197,9 @@ class OscarLayer(CacheLayerMixin):
             raise ValueError("an OSCAR layer takes one layer's config: pass OscarConfig.for_layer(layer_idx), which "
                              "resolves key_bits_layers")
         self.config = config
-        self.key_rotation = key_rotation
-        self.value_rotation = value_rotation
+        # the layer's own copies: a bundle changed after the cache was built cannot change what the cache reads
+        self.key_rotation = key_rotation.detach().clone()
+        self.value_rotation = value_rotation.detach().clone()
         # an identity rotation (data-free baselines, per-channel K, an absorbed V) costs no GEMM per step
         self.rotates_keys, self.rotates_values = (not _is_identity(r) for r in (key_rotation, value_rotation))
         self.counts: list[int] | torch.Tensor = [0, 0, 0, 0]  # sink, history, recent, ring start

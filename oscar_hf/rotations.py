@@ -215,9 +215,11 @@ class OscarRotations:
             ("num_kv_heads", self.num_kv_heads, shape.num_kv_heads),
         ):
             if ours != theirs:
+                made_for = self.source_model or "a model whose name it does not record"
+                model_name = getattr(model_config, "_name_or_path", None) or "this model"
                 raise ValueError(
-                    f"rotation bundle does not fit the model: {field} is {ours} in the bundle "
-                    f"(made for {self.source_model!r}) but {theirs} in the model"
+                    f"rotation bundle does not fit the model: {field} is {ours} in the bundle (made for {made_for}) "
+                    f"but {theirs} in {model_name}"
                 )
 
     # ------------------------------------------------------------------------------- saving
@@ -276,30 +278,48 @@ class OscarRotations:
         local_files_only: bool = False,
         token: str | bool | None = None,
     ) -> "OscarRotations":
-        """Load a bundle from a local folder or a Hub repo (``subfolder`` inside either)."""
-        local = Path(src) / (subfolder or "")
+        """Load a bundle from a local folder or a Hub repo (``subfolder`` inside either).
+
+        ``src`` is a folder where one exists; else it must be a Hub repo id (``org/name``), and a path that is
+        neither raises FileNotFoundError ("no such folder"). With ``HF_HUB_OFFLINE=1`` (or ``local_files_only``) a
+        repo is read from the local Hugging Face cache alone, failing at once where it is not there."""
+        from huggingface_hub import constants, hf_hub_download
+        from huggingface_hub.errors import EntryNotFoundError, HFValidationError, LocalEntryNotFoundError
+        from huggingface_hub.utils import validate_repo_id
+
+        root = Path(src).expanduser()
+        local = root / (subfolder or "")
         if local.is_dir():
             config_file, weights_file = local / CONFIG_NAME, local / WEIGHTS_NAME
             for file in (config_file, weights_file):
                 if not file.is_file():
                     raise FileNotFoundError(f"{local} is not an OSCAR rotation bundle: {file.name} is missing")
-        else:
-            from huggingface_hub import hf_hub_download
+            return cls._load(config_file, weights_file)
+        if root.is_dir():
+            raise FileNotFoundError(f"no such folder: {local} (the folder {root} has no subfolder {subfolder!r})")
+        try:
+            validate_repo_id(str(src))
+        except HFValidationError:
+            raise FileNotFoundError(f"no such folder: {src} (and it is not a Hub repo id of the form 'org/name')") \
+                from None
+        offline = local_files_only or constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "0") not in (
+            "", "0", "false", "False")
+        where = f"{src!r}" + (f", subfolder {subfolder!r}" if subfolder else "") + (
+            f", revision {revision!r}" if revision else "")
 
-            def fetch(name: str) -> Path:
-                return Path(
-                    hf_hub_download(
-                        str(src),
-                        name,
-                        subfolder=subfolder,
-                        revision=revision,
-                        cache_dir=cache_dir,
-                        local_files_only=local_files_only,
-                        token=token,
-                    )
-                )
+        def fetch(name: str) -> Path:
+            try:
+                return Path(hf_hub_download(str(src), name, subfolder=subfolder, revision=revision,
+                                            cache_dir=cache_dir, local_files_only=offline, token=token))
+            except LocalEntryNotFoundError:
+                raise FileNotFoundError(
+                    f"no such folder: {src}; and the Hub repo {where} has no {name} in the local Hugging Face cache"
+                    + (" (offline: HF_HUB_OFFLINE=1)" if offline else "")) from None
+            except EntryNotFoundError:
+                raise FileNotFoundError(f"the Hub repo {where} has no {name}: not an OSCAR rotation bundle") \
+                    from None
 
-            config_file, weights_file = fetch(CONFIG_NAME), fetch(WEIGHTS_NAME)
+        config_file, weights_file = fetch(CONFIG_NAME), fetch(WEIGHTS_NAME)
         return cls._load(config_file, weights_file)
 
     @classmethod
@@ -311,7 +331,10 @@ class OscarRotations:
         version = metadata.get("format_version")
         if version != FORMAT_VERSION:
             raise ValueError(f"{config_file}: unsupported format_version {version!r} (expected {FORMAT_VERSION})")
-        tensors = load_file(str(weights_file))
+        try:
+            tensors = load_file(str(weights_file))
+        except Exception as err:  # safetensors raises its own error type for a truncated or foreign file
+            raise ValueError(f"{weights_file} is not a readable safetensors file ({err})") from None
         missing = {"key_rotation", "value_rotation"} - set(tensors)
         if missing:
             raise ValueError(f"{weights_file} lacks tensor(s) {sorted(missing)}")

@@ -138,7 +138,7 @@ def test_load_from_offline_hub_cache(tmp_path, monkeypatch):
     loaded = OscarRotations.from_pretrained("org/rotation-zoo", subfolder="qwen3-tiny", cache_dir=tmp_path / "hub")
     assert_same_bundle(loaded, bundle)
     start = time.perf_counter()
-    with pytest.raises(huggingface_hub.errors.LocalEntryNotFoundError):
+    with pytest.raises(FileNotFoundError, match="org/missing-zoo.*subfolder 'qwen3-tiny'.*local Hugging Face cache"):
         OscarRotations.from_pretrained("org/missing-zoo", subfolder="qwen3-tiny", cache_dir=tmp_path / "hub")
     assert time.perf_counter() - start < 5
 
@@ -204,3 +204,55 @@ def test_invalid_json_raises(tmp_path):
     (tmp_path / "oscar_config.json").write_text('{"format_version": 1,')
     with pytest.raises(ValueError, match="not valid JSON"):
         OscarRotations.from_pretrained(tmp_path)
+
+
+def test_loading_errors_name_the_problem(tmp_path, monkeypatch):
+    """A missing local folder, an unreachable name offline, a missing subfolder and a truncated weights file each
+    fail at once with an error that names what is wrong."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="no such folder: .*not a Hub repo id"):
+        OscarRotations.from_pretrained(tmp_path / "nowhere" / "deeper")
+    start = time.monotonic()
+    with pytest.raises(FileNotFoundError, match="no such folder: org/zoo.*local Hugging Face cache.*offline"):
+        OscarRotations.from_pretrained("org/zoo", subfolder="qwen3-8b", cache_dir=tmp_path / "hub")
+    assert time.monotonic() - start < 5
+    bundle = OscarRotations.identity(_tiny_config())
+    bundle.save_pretrained(tmp_path / "zoo" / "a")
+    with pytest.raises(FileNotFoundError, match="has no subfolder 'b'"):
+        OscarRotations.from_pretrained(tmp_path / "zoo", subfolder="b")
+    weights = tmp_path / "zoo" / "a" / "rotations.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match="rotations.safetensors is not a readable safetensors file"):
+        OscarRotations.from_pretrained(tmp_path / "zoo" / "a")
+
+
+def test_a_mismatch_names_the_model_the_bundle_was_made_for():
+    config = _tiny_config()
+    bundle = OscarRotations.identity(config)
+    other = _tiny_config(num_hidden_layers=3)
+    with pytest.raises(ValueError, match="made for a model whose name it does not record"):
+        bundle.check_compatible(other)
+    bundle.source_model = "org/tiny"
+    with pytest.raises(ValueError, match=r"num_layers is 2 in the bundle \(made for org/tiny\) but 3 in this model"):
+        bundle.check_compatible(other)
+
+
+def _tiny_config(**overrides):
+    import transformers
+
+    fields = dict(vocab_size=32, hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=64)
+    return transformers.LlamaConfig(**{**fields, **overrides})
+
+
+def test_a_cache_keeps_its_own_copy_of_the_rotations():
+    """Changing a bundle in place after the cache is built changes nothing the cache reads."""
+    from oscar_hf import OscarQuantizedCache
+
+    config = _tiny_config()
+    bundle = OscarRotations.hadamard(config)
+    cache = OscarQuantizedCache(config, bundle)
+    want = bundle.key_rotation[0].clone()
+    bundle.key_rotation.zero_()
+    bundle.value_rotation.zero_()
+    assert torch.equal(cache.layers[0].key_rotation, want) and cache.layers[0].value_rotation.abs().sum() > 0
