@@ -157,6 +157,20 @@ def test_info_without_a_bundle_exits_2(tmp_path, capsys, which):
     assert capsys.readouterr().err.startswith("error: ")
 
 
+def test_info_of_a_truncated_bundle_is_one_line_naming_the_file(bundle_dir, tmp_path, capsys):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(bundle_dir, broken)
+    weights = broken / "rotations.safetensors"
+    weights.write_bytes(weights.read_bytes()[:64])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["info", str(broken)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"error: {weights} is not a readable safetensors file")
+
+
 def test_console_script():
     script = Path(sys.executable).parent / "oscar-hf"
     result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
