@@ -81,14 +81,22 @@ def test_backends_registered():
 
 
 # ------------------------------------------------------------------------------------------ write kernel
-@pytest.mark.parametrize("scale_dtype", list(DTYPE_IDS), ids=DTYPE_IDS.get)
-@pytest.mark.parametrize("x_dtype", list(DTYPE_IDS), ids=DTYPE_IDS.get)
-@pytest.mark.parametrize(
-    "d, bits, group, k_clip, v_clip",
-    [(128, 2, None, 0.96, 0.92), (64, 2, 32, 0.96, 1.0), (256, 2, 64, 0.9, 0.92), (128, 4, 64, 1.0, 0.96),
-     (128, 2, None, 97 / 128, 0.75)],
-    ids=["D128-int2", "D64-int2-g32", "D256-int2-g64", "D128-int4-g64", "D128-int2-low-clips"],
-)
+WRITE_SHAPES = {
+    "D128-int2": (128, 2, None, 0.96, 0.92), "D64-int2-g32": (64, 2, 32, 0.96, 1.0),
+    "D256-int2-g64": (256, 2, 64, 0.9, 0.92), "D128-int4-g64": (128, 4, 64, 1.0, 0.96),
+    "D128-int2-low-clips": (128, 2, None, 97 / 128, 0.75),
+}
+
+
+def pairwise_dtypes(shapes: dict) -> list:
+    """Each shape with each input dtype, the scale dtype cycling so that every (shape, scale dtype) and every
+    (input dtype, scale dtype) pair occurs too: 15 cases covering every pair of the 45 of the full product."""
+    dtypes = list(DTYPE_IDS)
+    return [pytest.param(*shape, x, dtypes[(i + j) % 3], id=f"{name}-{DTYPE_IDS[x]}-{DTYPE_IDS[dtypes[(i + j) % 3]]}")
+            for i, (name, shape) in enumerate(shapes.items()) for j, x in enumerate(dtypes)]
+
+
+@pytest.mark.parametrize("d, bits, group, k_clip, v_clip, x_dtype, scale_dtype", pairwise_dtypes(WRITE_SHAPES))
 def test_write_kernel_equals_quantizer(d, bits, group, k_clip, v_clip, x_dtype, scale_dtype):
     """Codes, scale and zero are bit-identical: τ is the sort's (low clips: K's 30 values above τ are the most the
     kernel takes in turn, V's 31 go to bisection), every fp32 operation is the same."""
@@ -634,34 +642,37 @@ def static_and_host_layers(dim, *, max_len=120, **config):
     return (StaticOscarLayer(cfg, rotation, rotation.T, max_len), DynamicOscarLayer(cfg, rotation, rotation.T))
 
 
-@pytest.mark.parametrize(
+@pytest.mark.parametrize(  # tokens: the prompt and the steps, 9 or more demotions, the ring wrapped 3 times or more
     "prompt, config",
-    [(3, dict(sink_tokens=4, recent_tokens=5, flush_tokens=3)),  # sink filled by steps; means set by a step
-     (40, dict(sink_tokens=4, recent_tokens=8, flush_tokens=4, k_clip=1.0, v_clip=1.0, centering=False)),
-     (30, dict(sink_tokens=0, recent_tokens=6, flush_tokens=1, group_size=32)),
-     (20, dict(sink_tokens=2, recent_tokens=6, flush_tokens=2, key_bits=4, centering=False)),
-     (20, dict(sink_tokens=2, recent_tokens=6, flush_tokens=2, centering=False, dtype=torch.float16)),
-     (10, dict(sink_tokens=2, recent_tokens=4, flush_tokens=2, centering=False, dim=256))],
+    [(3, dict(sink_tokens=4, recent_tokens=5, flush_tokens=3, tokens=40)),  # sink filled by steps; means set by a step
+     (40, dict(sink_tokens=4, recent_tokens=8, flush_tokens=4, k_clip=1.0, v_clip=1.0, centering=False, tokens=80)),
+     (30, dict(sink_tokens=0, recent_tokens=6, flush_tokens=1, group_size=32, tokens=50)),
+     (20, dict(sink_tokens=2, recent_tokens=6, flush_tokens=2, key_bits=4, centering=False, tokens=50)),
+     (20, dict(sink_tokens=2, recent_tokens=6, flush_tokens=2, centering=False, dtype=torch.float16, tokens=50)),
+     (10, dict(sink_tokens=2, recent_tokens=4, flush_tokens=2, centering=False, dim=256, tokens=40))],
     ids=["sink-first", "uncentered-unclipped", "no-sink-flush-1", "4-bit-keys", "fp16", "D256"],
 )
 def test_graph_step_stores_what_the_host_path_stores(prompt, config):
     """Steps through the append operator (rotation, ring buffer, device counts) leave the same sequence as the host
     path: codes, scales and zeros bit for bit without centering; with it, the means are summed in another order."""
     config = dict(config)
-    dtype, dim = config.pop("dtype", torch.bfloat16), config.pop("dim", 64)
+    dtype, dim, tokens = config.pop("dtype", torch.bfloat16), config.pop("dim", 64), config.pop("tokens")
     static, host = static_and_host_layers(dim, **config)
-    kv = ((randn(2, 2, 3, 100, dim, seed=11) * 8).round() / 4).to(dtype)
+    kv = ((randn(2, 2, 3, tokens, dim, seed=11) * 8).round() / 4).to(dtype)
     for layer in (static, host):
         layer.update(kv[0, :, :, :prompt], kv[1, :, :, :prompt])
     assert static.graph_step and static.counts_on_device and not host.graph_step
     # CUDA graphs would otherwise copy (or refuse to capture) every buffer the step mutates
     assert all(torch._dynamo.utils.get_static_address_type(t) for t in (*static._tensors(), static.counts))
     starts = set()
-    for t in range(prompt, 100):
+    _dbg = []
+    for t in range(prompt, tokens):
         assert static.takes_graph_step(kv[0, :, :, t : t + 1])
         static.update(kv[0, :, :, t : t + 1], kv[1, :, :, t : t + 1])
         host.update(kv[0, :, :, t : t + 1], kv[1, :, :, t : t + 1])
         starts.add(static.recent_start)
+        _dbg.append((static.recent_start, host.n_history))
+    print("DBG", tokens - prompt, "steps; demotions", sum(b[1] > a[1] for a, b in zip(_dbg, _dbg[1:])), "wraps", sum(b[0] < a[0] for a, b in zip(_dbg, _dbg[1:])), "starts", len(starts), "hist", host.n_history)
     assert len(starts) > 2, "the ring buffer wrapped"
     assert static.counts.tolist()[:3] == [host.n_sink, host.n_history, host.n_recent] and host.n_history > 0
     assert static.flags.tolist() == [0, 0]  # no error; the append kernel's arrival count back at zero
