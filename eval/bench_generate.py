@@ -177,8 +177,7 @@ class Profile:
     decodings: tuple[str, ...] = ("generate",)  # keys of DECODINGS, each case run with each
 
 
-# warm-up 5: OSCAR's fourth decode step, whatever the warm-up, ran 0.8-2.2 ms long in most runs since q's rotation
-# moved into the append kernel (bench_generate-dev-runs/s26_warmup.log), a one-time cost like compiling
+# warm-up 5: OSCAR's fourth decode step carries a one-time cost (0.8-2.2 ms, like compiling), so it is not timed
 FULL = Profile(("qwen3-8b", "llama3.1-8b"), (4096, 32768, 131072), (1, 8, 32), steps=16, warmup=5, max_batch=512,
                prefill_chunk=16384, fill_chunk_bytes=256 << 20, budget_s=460)
 SMOKE = Profile(("qwen3-tiny", "llama-tiny"), (128, 512), (1, 4), steps=4, warmup=2, max_batch=6,
@@ -393,18 +392,13 @@ def timestamp(device: torch.device | None):
 
 def steady_tuning_timer() -> None:
     """Make inductor time each candidate config it tunes (coordinate descent) behind a GPU spin, after a read of twice
-    L2's size. With inductor's own timer (before each call it zero-fills a buffer of L2's size, leaving dirty lines;
-    the fastest of its calls counts) one config of an H100's down projection timed 45 µs in one process and 71 µs in
-    the next (39 µs in the forward), two processes tuned 19 of the forward's 21 kernels differently, and the same
-    code's 128K forward took 7.38 to 8.17 ms in five processes (7.34 to 7.67 in three with a read in place of its
-    zero-fill); with this timer the tuner's timings of a config agree between processes within ±2.4% (10th to 90th
-    percentile) and the forward took 7.06 to 7.16 ms in three (``bench_generate-dev-runs/tuning_timer.log``). Which
-    part of inductor's timing varies is not pinned down: its fastest call leaves out 100 µs of host work before a
-    tiny kernel (the GPU is still busy with its warm-up fills then; ``tests/test_bench_generate.py``). Each timed
-    call waits behind a spin of ``TUNING_LEAD_CYCLES`` (the host has queued it by then), after the read (clean lines,
-    as the forward's weight streams leave them); the fastest of ``TUNING_CALLS`` counts (session 25's runs timed 5
-    calls, then as many more as fit in 40 ms, at most 100). Calls with another ``return_mode`` or ``quantiles`` keep
-    inductor's timer."""
+    L2's size. Inductor's own timer zero-fills a buffer of L2's size before each call, leaving dirty lines, and counts
+    the fastest call; its timings of one config vary from process to process, so that processes tune the forward's
+    kernels differently and the same code's forward time varies by up to 11% (H100, Qwen3-8B at 128K). With this timer
+    a config's timings agree between processes within ±2.4% (10th to 90th percentile). Each timed call waits behind a
+    spin of ``TUNING_LEAD_CYCLES`` (the host has queued it by then), after the read (clean lines, as the forward's
+    weight streams leave them); the fastest of ``TUNING_CALLS`` counts. Calls with another ``return_mode`` or
+    ``quantiles`` keep inductor's timer."""
     from torch._inductor.runtime import benchmarking
 
     timer = type(benchmarking.benchmarker)

@@ -3,7 +3,7 @@ its registers, stack and the instruction mix of each loop (the history loop: the
 
     python eval/kernel_sass.py [--head-dim 128] [--dtype bf16] [--key-bits 2] [--sass FILE]
 
-The launch is the one ``triton_decode.decode`` makes for a layer of Qwen3-8B's GQA (4 query heads per KV head)
+The launch is the one ``kernels.decode.triton.decode`` makes for a layer of Qwen3-8B's GQA (4 query heads per KV head)
 holding 64 sink, 1024 history and 256 recent tokens: the kernel is captured at its launch (nothing runs) and
 compiled with the same arguments, specialized as Triton specializes them on a GPU (pointers and multiples of 16
 aligned), and with programmatic dependent launch on, as on sm_90. Triton's bundled ptxas, cuobjdump

@@ -54,7 +54,7 @@ def _attend_on_host(module, query, key, value, attention_mask, dropout, scaling,
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     layer = key.layer
-    layer.store_pending()
+    layer.check_flags()  # (stores a token a graph step left pending first)
     for name, feature in UNSUPPORTED_KWARGS.items():
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"OscarQuantizedCache does not support {feature} ({name}=...)")

@@ -275,7 +275,7 @@ class OscarLayer(CacheLayerMixin):
         return PackedKV(self.sink["key"], self.sink["value"], self.recent["key"], self.recent["value"],
                         *(QuantizedRows(h[f"{side}_codes"], h[f"{side}_scale"], h[f"{side}_zero"]) for side in SIDES),
                         counts, *cfg.side_bits.values(), self.group_size, *centers,
-                        cfg.key_layout.tokens_per_scale_row(cfg))
+                        cfg.key_layout.token_group(cfg))
 
     # -------------------------------------------------------------------------------- writes
     def takes_graph_step(self, key_states: torch.Tensor) -> bool:

@@ -93,12 +93,23 @@ def capture_attention_forward(module, query, key, value, attention_mask, dropout
                                   **kwargs)
 
 
+def _attention_implementations(config) -> dict:
+    """The attention implementation of ``config`` and of each of its sub-configs, in the nested form that
+    ``set_attn_implementation`` takes (composite models may run different ones in their parts)."""
+    implementations = {"": config._attn_implementation}
+    for key in getattr(config, "sub_configs", {}):
+        sub = getattr(config, key, None)
+        if sub is not None:
+            implementations[key] = _attention_implementations(sub)
+    return implementations
+
+
 @torch.no_grad()
 def run_capture(model: torch.nn.Module, observer: Observer, input_ids: torch.Tensor) -> None:
     """One forward of unpadded ``input_ids [B, L]`` with every layer's q, k, v sent to ``observer``; the model's
     attention implementation is restored afterwards."""
     check_model_supported(model)
-    previous = model.config._attn_implementation
+    previous = _attention_implementations(model.config)
     model.set_attn_implementation(CAPTURE_IMPLEMENTATION)
     try:
         cache = CaptureCache(observer, ModelShape.from_config(model.config).num_layers)

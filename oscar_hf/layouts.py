@@ -28,9 +28,14 @@ class KeyLayout:
     needs: dict[str, tuple[object, str]] = {}
     centered: bool
 
-    def tokens_per_scale_row(self, config: OscarConfig) -> int:
-        """Tokens that share one row of K's scale and zero."""
+    def token_group(self, config: OscarConfig) -> int | None:
+        """Tokens that share one row of K's scale and zero: None where each token has its own
+        (``PackedKV.key_token_group``)."""
         raise NotImplementedError
+
+    def tokens_per_scale_row(self, config: OscarConfig) -> int:
+        """Tokens per row of K's scale and zero."""
+        return self.token_group(config) or 1
 
     def scale_columns(self, head_dim: int, group_size: int) -> int:
         """Columns of K's scale and zero per row."""
@@ -65,8 +70,8 @@ class PerTokenKeys(KeyLayout):
     name = "per-token"
     centered = True
 
-    def tokens_per_scale_row(self, config: OscarConfig) -> int:
-        return 1
+    def token_group(self, config: OscarConfig) -> int | None:
+        return None
 
     def scale_columns(self, head_dim: int, group_size: int) -> int:
         return head_dim // group_size
@@ -94,7 +99,7 @@ class PerChannelKeys(KeyLayout):
     needs = {"k_clip": (1.0, "clipping is per token"), "quantizer": ("uniform", "Lloyd-Max levels are per token")}
     centered = False
 
-    def tokens_per_scale_row(self, config):
+    def token_group(self, config):
         return config.flush_tokens
 
     def scale_columns(self, head_dim, group_size):
@@ -112,7 +117,7 @@ class PerChannelKeys(KeyLayout):
 
     def writer(self, config, device):
         def write(key, value, **kwargs):
-            return quantize_kv(key, value, key_token_group=config.flush_tokens, **kwargs)
+            return quantize_kv(key, value, key_token_group=self.token_group(config), **kwargs)
 
         return write
 

@@ -18,13 +18,13 @@ class PackedKV:
         recent_k, recent_v: the newest tokens, model dtype ``[B, H, R, D]``: a ring buffer whose oldest token is
             row ``counts[3]``.
         key, value: the history as ``QuantizedRows``: codes uint8 ``[B, H, N, D·bits/8]``; scale and zero
-            ``[B, H, N, D/group_size]`` per token, or ``[B, H, N/key_token_group, D]`` for per-channel K.
+            ``[B, H, N, D/group_size]`` per token, or ``[B, H, ⌈N/key_token_group⌉, D]`` for per-channel K.
         counts: sink, history and recent tokens and the ring start: an int32 tensor ``[4]`` or ``[8]`` (a static
             layer's, on the device; ``[4:8]`` the counts before its last graph step), or a tuple of ints.
         key_bits, value_bits: code widths (2 or 4).
         group_size: channels per scale and zero of a per-token row.
         key_center, value_center: fp32 ``[B, H, 1, D]`` where the history stores ``x − μ``, else None.
-        key_token_group: tokens per K scale row: 1 for per-token K, the token group for per-channel K.
+        key_token_group: None for per-token K; for per-channel K, the tokens that share a K scale row.
     """
 
     sink_k: torch.Tensor
@@ -39,7 +39,7 @@ class PackedKV:
     group_size: int
     key_center: torch.Tensor | None = None
     value_center: torch.Tensor | None = None
-    key_token_group: int = 1
+    key_token_group: int | None = None
 
     @property
     def windows(self) -> list[torch.Tensor]:
@@ -53,9 +53,12 @@ class PackedKV:
 
     @property
     def centers(self) -> list[torch.Tensor]:
-        """``[μ_K, μ_V]`` where both sides are centered, else ``[]`` (the kernels center both or neither)."""
-        if self.key_center is None or self.value_center is None:
+        """``[μ_K, μ_V]`` where both sides are centered, else ``[]``: the kernels center both sides or neither
+        (ValueError where only one side is)."""
+        if self.key_center is None and self.value_center is None:
             return []
+        if self.key_center is None or self.value_center is None:
+            raise ValueError("the kernels center both K and V or neither; this storage centers one side only")
         return [self.key_center, self.value_center]
 
     def side(self, side: str) -> tuple[torch.Tensor, torch.Tensor, QuantizedRows, torch.Tensor | None, int]:
@@ -77,7 +80,7 @@ class PackedKV:
 
     @property
     def per_token_keys(self) -> bool:
-        return self.key_token_group == 1
+        return self.key_token_group is None
 
     @property
     def head_dim(self) -> int:
@@ -98,14 +101,15 @@ class PackedKV:
     @property
     def history_bytes_per_token(self) -> int:
         """Bytes of K and V codes, scales and zeros per history token."""
-        return sum(rows.codes.shape[-1] + 2 * rows.scale.shape[-1] * rows.scale.element_size() // (
-            self.key_token_group if rows is self.key else 1) for rows in (self.key, self.value))
+        key_group = self.key_token_group or 1
+        return sum(rows.codes.shape[-1] + 2 * rows.scale.shape[-1] * rows.scale.element_size() // group
+                   for rows, group in ((self.key, key_group), (self.value, 1)))
 
     @classmethod
     def empty(cls, batch: int, heads: int, head_dim: int, *, sink: int, history: int, recent: int,
               dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", key_bits: int = 2,
               value_bits: int = 2, group_size: int | None = None, scale_dtype: torch.dtype = torch.float16,
-              centered: bool = False, key_token_group: int = 1) -> "PackedKV":
+              centered: bool = False, key_token_group: int | None = None) -> "PackedKV":
         """Uninitialised storage of the given capacities (tokens) with zero counts: for kernels and benchmarks
         that need no cache."""
         group = group_size or head_dim
@@ -117,9 +121,9 @@ class PackedKV:
                                  torch.empty(meta, dtype=scale_dtype, device=device),
                                  torch.empty(meta, dtype=scale_dtype, device=device))
 
-        key_columns = head_dim // group if key_token_group == 1 else head_dim
+        key_columns = head_dim // group if key_token_group is None else head_dim
         window = [torch.empty(batch, heads, n, head_dim, dtype=dtype, device=device) for n in (sink, sink, recent,
                                                                                                 recent)]
         center = [torch.zeros(batch, heads, 1, head_dim, device=device) if centered else None for _ in range(2)]
-        return cls(*window, rows(key_bits, key_token_group, key_columns), rows(value_bits, 1, head_dim // group),
+        return cls(*window, rows(key_bits, key_token_group or 1, key_columns), rows(value_bits, 1, head_dim // group),
                    (0, 0, 0, 0), key_bits, value_bits, group, *center, key_token_group)

@@ -14,10 +14,11 @@ def dequantize_history(packed: PackedKV, side: str, stop: int, start: int = 0) -
     ``[B, H, stop - start, D]``. Per-channel K reads whole token groups: ``start`` and ``stop`` are multiples of
     ``key_token_group`` there."""
     _, _, rows, center, bits = packed.side(side)
-    group = packed.key_token_group if side == "key" else 1
+    per_channel = side == "key" and not packed.per_token_keys
+    group = packed.key_token_group if per_channel else 1
     meta = slice(start // group, -(-stop // group))
     part = QuantizedRows(rows.codes[:, :, start:stop], rows.scale[:, :, meta], rows.zero[:, :, meta])
-    history = dequantize(part, bits) if group == 1 else dequantize_per_channel(part, bits)
+    history = dequantize_per_channel(part, bits) if per_channel else dequantize(part, bits)
     return history if center is None else history + center
 
 
@@ -25,7 +26,8 @@ def fill_history(packed: PackedKV, side: str, out: torch.Tensor) -> None:
     """Write the first ``out.shape[2]`` history tokens of ``side``, dequantized, into ``out`` (a ``[B, H, n, D]``
     view of a buffer): the dequantize kernel's contract, in torch (per-channel K dequantizes whole groups)."""
     n = out.shape[2]
-    stop = -(-n // packed.key_token_group) * packed.key_token_group if side == "key" else n
+    group = packed.key_token_group if side == "key" and not packed.per_token_keys else 1
+    stop = -(-n // group) * group
     out.copy_(dequantize_history(packed, side, stop)[:, :, :n])
 
 

@@ -26,7 +26,7 @@ def quantize_kv(
     v_clip: float,
     bits: int = 2,
     key_bits: int | None = None,
-    key_token_group: int = 1,
+    key_token_group: int | None = None,
     key_center: torch.Tensor | None = None,
     value_center: torch.Tensor | None = None,
     **kwargs,
@@ -35,7 +35,7 @@ def quantize_kv(
     arguments otherwise (``group_size``, ``scale_dtype``, ``method``), each side first minus its center where one is
     given (fp32 ``[..., 1, D]`` over the rows' leading dims: ``x.float() - center``).
 
-    With ``key_token_group`` G > 1 (per-channel K), K ``[..., N, D]`` (N a multiple of G) goes through
+    With ``key_token_group`` G (per-channel K), K ``[..., N, D]`` (N a multiple of G) goes through
     ``quantizer.quantize_per_channel`` instead, unclipped (OscarConfig requires ``k_clip=1.0`` and the uniform
     quantizer there).
     """
@@ -45,7 +45,7 @@ def quantize_kv(
     if value_center is not None:
         value = value.float() - check_center(value, value_center)
     values = quantize(value, clip=v_clip, bits=bits, **kwargs)
-    if key_token_group == 1:
+    if key_token_group is None:
         return quantize(key, clip=k_clip, bits=key_bits, **kwargs), values
     keys = quantize_per_channel(key, token_group=key_token_group, bits=key_bits, scale_dtype=kwargs["scale_dtype"])
     return keys, values

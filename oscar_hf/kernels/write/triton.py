@@ -150,7 +150,7 @@ def _launch(sides, clips, bits, group, scale_dtype, centers=(None,)) -> tuple[Qu
         clip_indices = [kernel_clip_index(c, d) for c in clips]
         v3, vo = views[-1], outs[-1]
         mus = [k3.new_empty(1, dtype=torch.float32) if c is None else c.reshape(-1, d).contiguous() for c in centers]
-        block_r = max(1, 1024 // d)  # one warp per program: 0.51 ms for 32K tokens x 8 heads x D128 on an H100
+        block_r = max(1, 1024 // d)  # rows per one-warp program (docs/kernels/write.md)
         with on_device_of(k3):
             _quantize_kv_kernel[(triton.cdiv(rows, block_r), len(sides))](
                 k3, k3.stride(0), k3.stride(1), v3, v3.stride(0), v3.stride(1), n, rows, mus[0], mus[-1],

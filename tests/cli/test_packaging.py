@@ -12,7 +12,7 @@ import tomllib
 
 from oscar_hf._extras import EXTRAS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 OPTIONAL = ("lm_eval", "matplotlib", "gguf", "datasets")
 

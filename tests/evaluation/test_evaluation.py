@@ -7,7 +7,7 @@ import string
 
 import pytest
 import torch
-from conftest import make_model
+from helpers import make_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 

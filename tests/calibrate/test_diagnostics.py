@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import VOCAB, make_model
+from helpers import VOCAB, make_model
 
 from oscar_hf import OscarConfig, OscarRotations, diagnose
 from oscar_hf.diagnostics import METRICS, DiagnosticsObserver, most_sensitive_layers

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 triton = pytest.importorskip("triton")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
     pytest.skip("this Triton has no bundled ptxas", allow_module_level=True)
 

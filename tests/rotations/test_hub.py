@@ -4,7 +4,7 @@ import shutil
 
 import huggingface_hub
 import torch
-from conftest import make_model
+from helpers import make_model
 
 from oscar_hf import OscarQuantizedCache, OscarRotations
 

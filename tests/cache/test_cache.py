@@ -5,7 +5,7 @@ import types
 
 import pytest
 import torch
-from conftest import make_model
+from helpers import make_model
 
 import oscar_hf.cache as cache_module
 from oscar_hf import (
@@ -492,3 +492,21 @@ def test_per_channel_keys_bypass_the_triton_kernels(monkeypatch):
     query = rows(1, 2, dtype=torch.bfloat16)
     assert supports_call(query, per_token.packed(), None, per_token.config.recent_tokens, per_token.length)
     assert not supports_call(query, layers["triton"].packed(), None, 8, layers["triton"].length)
+
+
+@pytest.mark.parametrize("centering", [False, True])
+def test_per_channel_keys_in_groups_of_one_token(centering):
+    """flush_tokens=1 makes every per-channel K group one token: scale and zero per channel, [B, H, n, D], exact on
+    reading back up to the fp16 zero (each channel's min and max are the value itself); V stays per token."""
+    layer = make_layer(key_quantization="per-channel", k_clip=1.0, flush_tokens=1, centering=centering)
+    keys, values = rows(20, 0), rows(20, 1)
+    layer.update(keys, values)
+    n = layer.n_history
+    assert n == 20 - 4 - 8 and layer.history["key_scale"].shape[-1] == D
+    stored = layer.materialize("key")[:, :, 4 : 4 + n]
+    torch.testing.assert_close(stored, cache_module.rotate(keys, layer.key_rotation)[:, :, 4 : 4 + n], rtol=0,
+                               atol=1e-4)  # (the fp16 zero: the value rounded down)
+    assert not layer.packed().per_token_keys and layer.packed().key_token_group == 1
+    if centering:
+        with pytest.raises(ValueError, match="center both K and V or neither"):
+            layer.packed().centers  # noqa: B018

@@ -4,7 +4,6 @@ learned rotation provably wins, determinism, data parallelism, inputs and diagno
 import json
 import math
 import socket
-import string
 import subprocess
 import sys
 from collections import defaultdict
@@ -12,14 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import VOCAB, make_model
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import PreTrainedTokenizerFast
+from helpers import VOCAB, austen, char_tokenizer, make_model, quick_calibrate, token_ids
 
-from oscar_hf import OscarConfig, OscarRotations, calibrate, hadamard_matrix
+from oscar_hf import OscarConfig, OscarRotations, hadamard_matrix
 from oscar_hf.calibrate import bit_reversal_permutation, compose_rotation, rotation_from_covariance, token_chunks
 from oscar_hf.capture import run_capture
-from oscar_hf.demo import calibration_text
 from oscar_hf.quantizer import dequantize, quantize
 
 ARCH = "qwen3-gqa-qknorm-d128"  # 4 query heads, 2 KV heads (groups of 2), head_dim 128, 2 layers
@@ -39,38 +35,6 @@ def one_thread():
 @pytest.fixture(scope="module")
 def model():
     return make_model(ARCH)
-
-
-def token_ids(chunks: int = 3, length: int = 64, seed: int = 0) -> torch.Tensor:
-    return torch.randint(3, VOCAB, (chunks, length), generator=torch.Generator().manual_seed(seed))
-
-
-def quick_calibrate(model, texts, tokenizer=None, **kwargs) -> OscarRotations:
-    kwargs = {"max_length": 64, "diagnostic_tokens": 0, "show_progress": False, **kwargs}
-    if "num_tokens" not in kwargs:
-        kwargs["num_tokens"] = texts.numel()
-    return calibrate(model, tokenizer, texts, **kwargs)
-
-
-def char_tokenizer(bos: bool = False) -> PreTrainedTokenizerFast:
-    """An offline character-level tokenizer: 4 specials + 73 characters (77 ids, below the tiny models' 96).
-    With ``bos`` it puts its BOS ``<s>`` (id 1) before every text on its own, as Gemma's does (SmolLM2's adds none)."""
-    chars = string.ascii_letters + string.digits + " .,;:!?'\"-\n"
-    vocab = {token: i for i, token in enumerate(["<pad>", "<s>", "</s>", "<unk>", *chars])}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    if bos:
-        backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
-                                        eos_token="</s>", unk_token="<unk>")
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
-    return tokenizer
-
-
-def austen(chars: int) -> str:
-    """The start of the Austen excerpt shipped with oscar_hf."""
-    return calibration_text()[:chars]
 
 
 # ------------------------------------------------------------------------------- covariance targets
@@ -274,12 +238,11 @@ DDP_SCRIPT = """
 import sys
 sys.path.insert(0, {tests!r})
 from accelerate import PartialState
-from conftest import make_model
-from test_calibrate import ARCH, quick_calibrate, token_ids
+from helpers import make_model, quick_calibrate, token_ids
 
 state = PartialState(cpu=True)  # gloo; the PartialState() inside calibrate shares this state
 assert state.num_processes == 2, state
-rotations = quick_calibrate(make_model(ARCH), token_ids(int(sys.argv[2]), 48), max_length=48)
+rotations = quick_calibrate(make_model({arch!r}), token_ids(int(sys.argv[2]), 48), max_length=48)
 if state.is_main_process:
     rotations.save_pretrained(sys.argv[1])
 """
@@ -293,7 +256,7 @@ def free_port() -> int:
 
 def launch_two_processes(tmp_path: Path, chunks: int) -> OscarRotations:
     script, out = tmp_path / "calibrate_ddp.py", tmp_path / "bundle"
-    script.write_text(DDP_SCRIPT.format(tests=str(Path(__file__).parent)))
+    script.write_text(DDP_SCRIPT.format(tests=str(Path(__file__).parents[1]), arch=ARCH))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                "--master_port", str(free_port()), str(script), str(out), str(chunks)]
     env = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -444,3 +407,28 @@ def test_diagnostics_int4_unclipped_is_much_better_than_int2(model):
 
 def test_no_diagnostics_when_disabled(model):
     assert quick_calibrate(model, token_ids()).diagnostics is None
+
+
+def test_capture_restores_every_part_of_a_composite_models_attention():
+    """A composite model whose parts run different attention implementations gets each back after a capture."""
+    import transformers
+
+    from oscar_hf.capture import _attention_implementations, run_capture
+
+    config = transformers.Gemma3Config(
+        text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                         layer_types=["sliding_attention", "full_attention"]),
+        vision_config=dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14))
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    model.set_attn_implementation({"": "eager", "text_config": "eager", "vision_config": "sdpa"})
+    before = _attention_implementations(model.config)
+    seen = []
+
+    class Counter:
+        def observe(self, layer_idx, *tensors):
+            seen.append(layer_idx)
+
+    run_capture(model, Counter(), token_ids(1, 16))
+    assert seen == [0, 1] and _attention_implementations(model.config) == before

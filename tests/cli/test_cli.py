@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_model
-from test_calibrate import austen, char_tokenizer
+from helpers import austen, char_tokenizer, make_model
 
 from oscar_hf import OscarConfig, OscarRotations, calibrate, load_recipe
 from oscar_hf.calibrate import EIGEN_ORDERS, K_TARGETS, V_TARGETS

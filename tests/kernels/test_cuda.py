@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-from conftest import make_model
-from test_generate import MODES, run
+from helpers import MODES, make_model, run
 
 from oscar_hf import OscarQuantizedCache, OscarRotations, cache_kwargs
 

@@ -4,7 +4,7 @@ import pickle
 
 import pytest
 import torch
-from conftest import make_model
+from helpers import make_model
 
 from oscar_hf import OscarQuantizedCache, OscarRotations
 

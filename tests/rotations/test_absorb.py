@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from conftest import VOCAB, make_model
+from helpers import VOCAB, make_model
 
 import oscar_hf.cache as cache_module
 from oscar_hf import ModelShape, OscarQuantizedCache, OscarRotations, absorb_value_rotation, cache_kwargs

@@ -5,7 +5,7 @@ import warnings
 import pytest
 import torch
 import transformers
-from conftest import VOCAB, make_model
+from helpers import VOCAB, make_model
 
 from oscar_hf import OscarQuantizedCache, OscarRotations, UnsupportedModelError, cache_kwargs, check_model_supported
 

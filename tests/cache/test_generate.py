@@ -2,68 +2,11 @@
 
 import pytest
 import torch
-from conftest import VOCAB, make_model
+from helpers import MODES, NEW_TOKENS, VOCAB, TokenCollector, full_precision_cache, generate, make_model, prompt, run
 from transformers import DynamicCache
-from transformers.generation.streamers import BaseStreamer
 
 from oscar_hf import OscarQuantizedCache, OscarRotations, cache_kwargs
 from oscar_hf.evaluation import make_cache
-
-NEW_TOKENS = 12
-
-
-class TokenCollector(BaseStreamer):
-    def __init__(self):
-        self.tokens = []
-
-    def put(self, value):
-        self.tokens.append(value.clone())
-
-    def end(self):
-        pass
-
-
-def prompt(batch: int = 1, length: int = 17, seed: int = 0, left_pad: tuple[int, ...] = ()) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, VOCAB, (batch, length), generator=g)
-    mask = torch.ones_like(ids)
-    for row, pad in enumerate(left_pad):
-        ids[row, :pad], mask[row, :pad] = 0, 0
-    return {"input_ids": ids, "attention_mask": mask}
-
-
-def repetitive_prompt() -> dict:
-    """A prompt whose n-grams recur, so prompt-lookup decoding proposes (and crops) candidates."""
-    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10, 11, 5, 6, 7]])
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-
-
-def generate(model, inputs, cache=None, seed=0, **kwargs):
-    torch.manual_seed(seed)
-    extra = {"past_key_values": cache} if cache is not None else {}
-    return model.generate(**inputs, max_new_tokens=NEW_TOKENS, pad_token_id=0, **extra, **kwargs)
-
-
-def run(model, inputs, cache=None, seed=0, **kwargs) -> torch.Tensor:
-    """Generated sequences (whatever the output type)."""
-    out = generate(model, inputs, cache, seed, **kwargs)
-    return out.sequences if hasattr(out, "sequences") else out
-
-
-def full_precision_cache(model, rotations=None) -> OscarQuantizedCache:
-    """Windows (64 + 256 tokens) that cover every test sequence: nothing is quantized."""
-    return OscarQuantizedCache.from_pretrained(rotations or OscarRotations.identity(model.config), model=model)
-
-
-MODES = {
-    "greedy": (lambda: prompt(), {}),
-    "sampling": (lambda: prompt(), dict(do_sample=True, top_k=20, temperature=0.9)),
-    "left-padded-batch": (lambda: prompt(3, left_pad=(0, 5, 11)), {}),
-    "beam-search": (lambda: prompt(2, left_pad=(0, 4)), dict(num_beams=3, num_return_sequences=2)),
-    "num-return-sequences": (lambda: prompt(2, left_pad=(3, 0)), dict(do_sample=True, num_return_sequences=3)),
-    "prompt-lookup": (repetitive_prompt, dict(prompt_lookup_num_tokens=3)),
-    "return-dict": (lambda: prompt(), dict(return_dict_in_generate=True, output_scores=True)),
-}
 
 
 @pytest.mark.parametrize("mode", list(MODES))

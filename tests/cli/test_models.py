@@ -15,7 +15,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from test_calibrate import austen, char_tokenizer  # noqa: E402
+from helpers import austen, char_tokenizer  # noqa: E402
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, GgufConfig  # noqa: E402
 
 from oscar_hf import check_model_supported, cli, models  # noqa: E402
@@ -167,7 +167,7 @@ def test_dense_copy_keeps_gemma3_layout_and_drops_gguf_leftovers():
 
 def test_cli_resolves_the_registered_names(monkeypatch):
     calls = []
-    monkeypatch.setattr(cli, "load_pypi_model", lambda name, dtype: calls.append((name, dtype)) or "loaded")
+    monkeypatch.setattr(models, "load_pypi_model", lambda name, dtype: calls.append((name, dtype)) or "loaded")
     assert cli.load_model("gemma3-270m", "bfloat16") == "loaded"
     assert calls == [("gemma3-270m", torch.bfloat16)]
     assert cli.source_model_id("gemma3-270m") == "google/gemma-3-270m"

@@ -8,21 +8,14 @@ the "triton" backend's dispatch, and ``model.generate`` with backend="triton" vs
 
 import math
 import os
-import sys
 
 import pytest
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET") else "cpu"
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
-    # Interpreter mode is fixed when triton.language is imported, and conftest's transformers import may have done
-    # that already: drop triton's Python modules so that they are imported again (the compiled triton._C stays).
-    for name in [m for m in sys.modules if m.split(".")[0] == "triton" and not m.startswith("triton._C")]:
-        del sys.modules[name]
 pytest.importorskip("triton")
 
-from conftest import make_model  # noqa: E402
+from helpers import make_model  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
 from oscar_hf import (  # noqa: E402
@@ -237,7 +230,7 @@ def check_decode(batch, heads, groups, dim, n_history, dtype, config=None, seed=
     assert got.shape == want.shape == (batch, 1, heads * groups, dim) and got.dtype == dtype
     # As close to the fp32 result as the torch twin is, up to one more rounding: the kernel feeds p (p·s for the
     # history, whose rounding then weighs a code's distance from the middle one, at most 1.5 steps of s) to the
-    # tensor cores in the model dtype, as flash attention does; naive's CPU SDPA keeps p in fp32
+    # tensor cores in the model dtype, as flash attention does; the twin's CPU SDPA keeps p in fp32
     err, naive_err = (got.float() - exact).abs().max().item(), (want.float() - exact).abs().max().item()
     scales = layer.history["value_scale"][:, :, : layer.n_history]  # V steps: the rounding bound
     step = scales.float().abs().max().item() if scales.numel() else 0.0
@@ -484,7 +477,7 @@ def test_decode_key_bits(key_bits, bits, dim, group, dtype):
 
 def test_attend_dispatches_everything_else_to_the_torch_twin():
     """More query tokens than the recent window holds (a prefill chunk: the torch twin over the dequantize kernel's
-    buffer), fp32 models and a newest token already quantized (recent_tokens=0) run naive."""
+    buffer), fp32 models and a newest token already quantized (recent_tokens=0) run the torch twin."""
     cases = [dict(q_len=10), dict(dtype=torch.float32), dict(recent=0)]
     for case in cases:
         dtype = case.get("dtype", torch.bfloat16)
@@ -665,14 +658,11 @@ def test_graph_step_stores_what_the_host_path_stores(prompt, config):
     # CUDA graphs would otherwise copy (or refuse to capture) every buffer the step mutates
     assert all(torch._dynamo.utils.get_static_address_type(t) for t in (*static._tensors(), static.counts))
     starts = set()
-    _dbg = []
     for t in range(prompt, tokens):
         assert static.takes_graph_step(kv[0, :, :, t : t + 1])
         static.update(kv[0, :, :, t : t + 1], kv[1, :, :, t : t + 1])
         host.update(kv[0, :, :, t : t + 1], kv[1, :, :, t : t + 1])
         starts.add(static.recent_start)
-        _dbg.append((static.recent_start, host.n_history))
-    print("DBG", tokens - prompt, "steps; demotions", sum(b[1] > a[1] for a, b in zip(_dbg, _dbg[1:])), "wraps", sum(b[0] < a[0] for a, b in zip(_dbg, _dbg[1:])), "starts", len(starts), "hist", host.n_history)
     assert len(starts) > 2, "the ring buffer wrapped"
     assert static.counts.tolist()[:3] == [host.n_sink, host.n_history, host.n_recent] and host.n_history > 0
     assert static.flags.tolist() == [0, 0]  # no error; the append kernel's arrival count back at zero

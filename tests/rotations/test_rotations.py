@@ -8,7 +8,7 @@ import time
 import huggingface_hub
 import pytest
 import torch
-from conftest import make_model
+from helpers import make_model
 from safetensors.torch import load_file
 
 from oscar_hf.config import OscarConfig

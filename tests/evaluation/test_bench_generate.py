@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import StaticCache
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "eval" / "bench_generate.py"
 
 

@@ -1,0 +1,143 @@
+"""Helpers shared by the tests: tiny random models built from configs, calibration inputs, and generation runs."""
+
+from __future__ import annotations
+
+import string
+
+import torch
+import transformers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+from transformers.generation.streamers import BaseStreamer
+
+from oscar_hf import OscarQuantizedCache, OscarRotations, calibrate
+from oscar_hf.demo import calibration_text
+
+VOCAB = 96
+
+
+# name -> (config class, extra config fields). Small enough for fast CPU generate.
+ARCHITECTURES = {
+    "llama-mha-d64": ("LlamaConfig", dict(num_attention_heads=2, num_key_value_heads=2, head_dim=64, hidden_size=128)),
+    "qwen2-gqa-bias-d64": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, hidden_size=256)),
+    "qwen3-gqa-qknorm-d128": (
+        "Qwen3Config",
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=128, hidden_size=128),
+    ),
+    "mistral-gqa-d64": (
+        "MistralConfig",
+        dict(num_attention_heads=4, num_key_value_heads=1, head_dim=64, hidden_size=128, sliding_window=None),
+    ),
+}
+
+
+def make_model(
+    arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides
+) -> transformers.PreTrainedModel:
+    """A tiny random decoder of architecture ``arch`` (a key of ARCHITECTURES), in eval mode."""
+    config_name, fields = ARCHITECTURES[arch]
+    defaults = dict(
+        vocab_size=VOCAB,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        max_position_embeddings=1024,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    config = getattr(transformers, config_name)(**{**defaults, **fields, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.generation_config.eos_token_id = None  # random models would stop at random; keep lengths fixed
+    return model.eval()
+
+
+# ------------------------------------------------------------------------------ calibration inputs
+def token_ids(chunks: int = 3, length: int = 64, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (chunks, length), generator=torch.Generator().manual_seed(seed))
+
+
+def quick_calibrate(model, texts, tokenizer=None, **kwargs) -> OscarRotations:
+    kwargs = {"max_length": 64, "diagnostic_tokens": 0, "show_progress": False, **kwargs}
+    if "num_tokens" not in kwargs:
+        kwargs["num_tokens"] = texts.numel()
+    return calibrate(model, tokenizer, texts, **kwargs)
+
+
+def char_tokenizer(bos: bool = False) -> PreTrainedTokenizerFast:
+    """An offline character-level tokenizer: 4 specials + 73 characters (77 ids, below the tiny models' 96).
+    With ``bos`` it puts its BOS ``<s>`` (id 1) before every text on its own, as Gemma's does (SmolLM2's adds none)."""
+    chars = string.ascii_letters + string.digits + " .,;:!?'\"-\n"
+    vocab = {token: i for i, token in enumerate(["<pad>", "<s>", "</s>", "<unk>", *chars])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    if bos:
+        backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
+                                        eos_token="</s>", unk_token="<unk>")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    return tokenizer
+
+
+def austen(chars: int) -> str:
+    """The start of the Austen excerpt shipped with oscar_hf."""
+    return calibration_text()[:chars]
+
+
+# ------------------------------------------------------------------------------ generation runs
+NEW_TOKENS = 12
+
+
+class TokenCollector(BaseStreamer):
+    def __init__(self):
+        self.tokens = []
+
+    def put(self, value):
+        self.tokens.append(value.clone())
+
+    def end(self):
+        pass
+
+
+def prompt(batch: int = 1, length: int = 17, seed: int = 0, left_pad: tuple[int, ...] = ()) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate(left_pad):
+        ids[row, :pad], mask[row, :pad] = 0, 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def repetitive_prompt() -> dict:
+    """A prompt whose n-grams recur, so prompt-lookup decoding proposes (and crops) candidates."""
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10, 11, 5, 6, 7]])
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def generate(model, inputs, cache=None, seed=0, **kwargs):
+    torch.manual_seed(seed)
+    extra = {"past_key_values": cache} if cache is not None else {}
+    return model.generate(**inputs, max_new_tokens=NEW_TOKENS, pad_token_id=0, **extra, **kwargs)
+
+
+def run(model, inputs, cache=None, seed=0, **kwargs) -> torch.Tensor:
+    """Generated sequences (whatever the output type)."""
+    out = generate(model, inputs, cache, seed, **kwargs)
+    return out.sequences if hasattr(out, "sequences") else out
+
+
+def full_precision_cache(model, rotations=None) -> OscarQuantizedCache:
+    """Windows (64 + 256 tokens) that cover every test sequence: nothing is quantized."""
+    return OscarQuantizedCache.from_pretrained(rotations or OscarRotations.identity(model.config), model=model)
+
+
+MODES = {
+    "greedy": (lambda: prompt(), {}),
+    "sampling": (lambda: prompt(), dict(do_sample=True, top_k=20, temperature=0.9)),
+    "left-padded-batch": (lambda: prompt(3, left_pad=(0, 5, 11)), {}),
+    "beam-search": (lambda: prompt(2, left_pad=(0, 4)), dict(num_beams=3, num_return_sequences=2)),
+    "num-return-sequences": (lambda: prompt(2, left_pad=(3, 0)), dict(do_sample=True, num_return_sequences=3)),
+    "prompt-lookup": (repetitive_prompt, dict(prompt_lookup_num_tokens=3)),
+    "return-dict": (lambda: prompt(), dict(return_dict_in_generate=True, output_scores=True)),
+}
