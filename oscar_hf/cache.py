@@ -204,6 +204,7 @@ class OscarLayer(CacheLayerMixin):
         self.rotates_keys, self.rotates_values = (not _is_identity(r) for r in (key_rotation, value_rotation))
         self.counts: list[int] | torch.Tensor = [0, 0, 0, 0]  # sink, history, recent, ring start
         self._last_update: _UpdateRecord | None = None  # what crop needs to take back the last host-side update
+        self._packed: PackedKV | None = None  # a static layer's PackedKV: its buffers and counts never move
         self.defers_host_reads = False  # set by oscar_hf.generation.overlapped_sample (see get_seq_length)
 
     n_sink = _count(0, "tokens in the sink")
@@ -240,6 +241,7 @@ class OscarLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, dim = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
+        self._packed = None
         cfg = self.config
         layout = cfg.key_layout
         self.group_size = cfg.resolved_group_size(dim)
@@ -268,14 +270,20 @@ class OscarLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def packed(self) -> PackedKV:
-        """The storage as the kernels take it (views of the layer's buffers and its counts)."""
+        """The storage as the kernels take it (the layer's buffers and its counts). Built once for a static layer,
+        whose buffers keep their addresses and whose device counts change in place (a graph step builds none)."""
+        if self._packed is not None:
+            return self._packed
         h, cfg = self.history, self.config
         centers = [self.center[side] if side in cfg.centered_sides else None for side in SIDES]
         counts = self.counts if self.counts_on_device else tuple(self.counts)
-        return PackedKV(self.sink["key"], self.sink["value"], self.recent["key"], self.recent["value"],
-                        *(QuantizedRows(h[f"{side}_codes"], h[f"{side}_scale"], h[f"{side}_zero"]) for side in SIDES),
-                        counts, *cfg.side_bits.values(), self.group_size, *centers,
-                        cfg.key_layout.token_group(cfg))
+        packed = PackedKV(self.sink["key"], self.sink["value"], self.recent["key"], self.recent["value"],
+                          *(QuantizedRows(h[f"{side}_codes"], h[f"{side}_scale"], h[f"{side}_zero"]) for side in SIDES),
+                          counts, *cfg.side_bits.values(), self.group_size, *centers,
+                          cfg.key_layout.token_group(cfg))
+        if self.counts_on_device:
+            self._packed = packed
+        return packed
 
     # -------------------------------------------------------------------------------- writes
     def takes_graph_step(self, key_states: torch.Tensor) -> bool:
@@ -457,18 +465,21 @@ class OscarLayer(CacheLayerMixin):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.store_pending()
         self._last_update = None
+        self._packed = None
         for segment in self._segments():
             segment.map(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.store_pending()
         self._last_update = None
+        self._packed = None
         for segment in self._segments():
             segment.map(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.store_pending()
         self._last_update = None
+        self._packed = None
         for segment in self._segments():
             segment.map(lambda t: t[indices])
 
