@@ -1,4 +1,4 @@
-"""The "oscar" attention implementation: rotate q, attend over the OSCAR cache, rotate the output back.
+"""The "oscar" attention implementation: attention over the OSCAR cache (the kernels handle the history's rotations).
 
 Registered with transformers' AttentionInterface (and the matching sdpa mask function, without which left padding
 would be silently ignored) when oscar_hf is imported.
@@ -40,10 +40,7 @@ def oscar_attention_forward(
 
         layer = key.layer
         rotated = layer.store_pending(query)  # the step's token, stored by a kernel that rotates q as well
-        rotation = layer.key_rotation if layer.rotates_keys and rotated is None else None
-        out = decode_static(query if rotated is None else rotated, layer.packed(), attention_mask, scaling,
-                            layer.decode_splits, rotation)
-        return layer.unrotate_values(out), None
+        return decode_static(query, layer.packed(), attention_mask, scaling, layer.decode_splits, rotated), None
     return _attend_on_host(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
 
 
@@ -61,9 +58,9 @@ def _attend_on_host(module, query, key, value, attention_mask, dropout, scaling,
     if kwargs.get("sliding_window") is not None:
         raise NotImplementedError("a sliding-window attention layer reached an OSCAR (full-attention) cache layer")
     attend = attention_backend(layer.config.backend, query.device)
-    out = attend(module, layer.rotate_keys(query), layer.packed(), key.new, value.new, attention_mask, scaling,
+    out = attend(module, query, layer.packed(), key.new, value.new, attention_mask, scaling,
                  layer.config.recent_tokens)
-    return layer.unrotate_values(out), None
+    return out, None
 
 
 def register() -> None:

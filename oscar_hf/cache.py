@@ -1,14 +1,17 @@
-"""OscarQuantizedCache: a transformers Cache that keeps rotated K and V mostly in 2 bits.
+"""OscarQuantizedCache: a transformers Cache that keeps K and V mostly in 2 bits, rotated.
 
-Per full-attention layer and KV head the cached sequence is ``sink ‖ history ‖ recent``, stored rotated
-(``k @ R_K``, ``v @ R_V``) in a :class:`~oscar_hf.kernels.PackedKV`'s layout:
+Per full-attention layer and KV head the cached sequence is ``sink ‖ history ‖ recent``, in a
+:class:`~oscar_hf.kernels.PackedKV`'s layout:
 
-* ``sink``    model dtype ``[B, H, ≤ sink_tokens, D]``: the first tokens;
-* ``history`` packed codes with scales and zeros, per token (and per channel for K with per-channel keys: the K
-  layout, :mod:`oscar_hf.layouts`); ``center`` fp32 ``[B, H, 1, D]`` per centered side, set by the first tokens to
-  reach an empty history, which then stores ``x - center``;
-* ``recent``  model dtype ``[B, H, ≤ recent_tokens + flush_tokens - 1, D]``: the newest tokens, demoted to the
-  history ``flush_tokens`` at a time.
+* ``sink``    model dtype ``[B, H, ≤ sink_tokens, D]``: the first tokens, as the model produced them;
+* ``history`` rotated (``k @ R_K``, ``v @ R_V``) packed codes with scales and zeros, per token (and per channel for K
+  with per-channel keys: the K layout, :mod:`oscar_hf.layouts`); ``center`` fp32 ``[B, H, 1, D]`` per centered side,
+  set by the first tokens to reach an empty history, which then stores ``x @ R - center``;
+* ``recent``  model dtype ``[B, H, ≤ recent_tokens + flush_tokens - 1, D]``: the newest tokens, as the model produced
+  them, rotated and demoted to the history ``flush_tokens`` at a time.
+
+Only what is quantized is rotated, so attention over tokens that never leave the windows is the model's own, in every
+dtype.
 
 One layer class per allocation mode, as in transformers: :class:`DynamicOscarLayer` grows its buffers;
 :class:`StaticOscarLayer` (``max_cache_len``) allocates them once, keeps its counts on the device and, where the Triton
@@ -26,8 +29,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 
 from .config import OscarConfig
 from .kernels import WRITE_BACKENDS, PackedKV, resolve
+from .kernels.append.reference import rotate_rows
 from .kernels.decode import launch as decode_launch
-from .kernels.dequantize.reference import dequantize_history, materialize
+from .kernels.dequantize.reference import dequantize_history, materialize, unrotate
 from .kernels.flags import raise_for_flags
 from .model_support import ModelShape, check_model_supported
 from .quantizer import QuantizedRows
@@ -42,20 +46,14 @@ BEFORE_STEP = 4  # a static layer's counts[4:8]: its counts before its last grap
 SIDES = ("key", "value")
 
 
-def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """``x [..., D] @ rotation [D, D]`` as one 2-D GEMM in the rotation's dtype (the model's: tensor cores on a
-    GPU, where fp32 GEMMs this small cost tens of microseconds each), returned in x's dtype."""
-    return (x.reshape(-1, x.shape[-1]).to(rotation.dtype) @ rotation).view(x.shape).to(x.dtype)
-
-
 def _is_identity(rotation: torch.Tensor) -> bool:
     return torch.equal(rotation, torch.eye(rotation.shape[-1], dtype=rotation.dtype, device=rotation.device))
 
 
 @dataclass
 class _UpdateRecord:
-    """A host-side update's undo: the counts (sink, history, recent) before it, its rotated tokens, and the recent
-    rows and means before it where its demotion overwrote them (else None)."""
+    """A host-side update's undo: the counts (sink, history, recent) before it, its tokens, and the recent rows and
+    means before it where its demotion overwrote them (else None)."""
 
     counts: tuple[int, int, int]
     new: dict[str, torch.Tensor]
@@ -66,35 +64,28 @@ class _UpdateRecord:
 class OscarKV:
     """What ``update`` hands to the attention function in place of K or V ``[B, H, T, D]``.
 
-    ``new`` holds the rotated K (or V) of the tokens added by this update, at full precision; the rest of the
-    sequence is read from ``layer``. A graph step's token is stored rotated by the append kernel, and the handle
-    holds the token as given with its ``rotate``: ``new`` rotates it only if read (the device-side attention does
-    not).
+    ``new`` holds the K (or V) of the tokens added by this update, as given; the rest of the sequence is read from
+    ``layer``.
     """
 
-    __slots__ = ("layer", "_new", "_rotate")
+    __slots__ = ("layer", "new")
 
-    def __init__(self, layer: "OscarLayer", new: torch.Tensor, rotate=None):
+    def __init__(self, layer: "OscarLayer", new: torch.Tensor):
         self.layer = layer
-        self._new = new
-        self._rotate = rotate
-
-    @property
-    def new(self) -> torch.Tensor:
-        return self._new if self._rotate is None else self._rotate(self._new)
+        self.new = new
 
     @property
     def shape(self) -> torch.Size:
-        b, h, _, d = self._new.shape
+        b, h, _, d = self.new.shape
         return torch.Size((b, h, self.layer.length, d))
 
     @property
     def dtype(self) -> torch.dtype:
-        return self._new.dtype
+        return self.new.dtype
 
     @property
     def device(self) -> torch.device:
-        return self._new.device
+        return self.new.device
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -226,17 +217,11 @@ class OscarLayer(CacheLayerMixin):
         """Most tokens the recent window holds: ``recent_tokens + flush_tokens - 1``."""
         return self.config.recent_tokens + self.config.flush_tokens - 1
 
-    def rotate_keys(self, x: torch.Tensor) -> torch.Tensor:
-        """Queries or keys ``[..., D]`` in the K basis the cache stores (x itself for an identity rotation)."""
-        return rotate(x, self.key_rotation) if self.rotates_keys else x
-
-    def rotate_values(self, x: torch.Tensor) -> torch.Tensor:
-        """Values ``[..., D]`` in the V basis the cache stores (x itself for an identity rotation)."""
-        return rotate(x, self.value_rotation) if self.rotates_values else x
-
-    def unrotate_values(self, out: torch.Tensor) -> torch.Tensor:
-        """An attention output ``[..., D]`` read in the stored V basis, back in the model's (``out @ R_Vᵀ``)."""
-        return rotate(out, self.value_rotation.mT) if self.rotates_values else out
+    def rotation(self, side: str) -> torch.Tensor | None:
+        """The history basis of ``side`` in the model dtype, or None for an identity rotation (no GEMM)."""
+        if side == "key":
+            return self.key_rotation if self.rotates_keys else None
+        return self.value_rotation if self.rotates_values else None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, dim = key_states.shape
@@ -280,7 +265,7 @@ class OscarLayer(CacheLayerMixin):
         packed = PackedKV(self.sink["key"], self.sink["value"], self.recent["key"], self.recent["value"],
                           *(QuantizedRows(h[f"{side}_codes"], h[f"{side}_scale"], h[f"{side}_zero"]) for side in SIDES),
                           counts, *cfg.side_bits.values(), self.group_size, *centers,
-                          cfg.key_layout.token_group(cfg))
+                          cfg.key_layout.token_group(cfg), self.rotation("key"), self.rotation("value"))
         if self.counts_on_device:
             self._packed = packed
         return packed
@@ -291,12 +276,11 @@ class OscarLayer(CacheLayerMixin):
         return False
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[OscarKV, OscarKV]:
-        """Rotate and store new K/V ``[B, H, n, D]``; return handles for the attention function."""
+        """Store new K/V ``[B, H, n, D]``; return handles for the attention function."""
         self.store_pending()
         self._check_room(key_states, value_states)
-        new = {"key": self.rotate_keys(key_states), "value": self.rotate_values(value_states)}
-        self._append(new)
-        return OscarKV(self, new["key"]), OscarKV(self, new["value"])
+        self._append({"key": key_states, "value": value_states})
+        return OscarKV(self, key_states), OscarKV(self, value_states)
 
     def _check_room(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Initialize on the first update; raise what device-side steps flagged."""
@@ -365,7 +349,10 @@ class OscarLayer(CacheLayerMixin):
             self._append({s: t[:, :, :tokens] for s, t in record.new.items()})
 
     def _quantize_into_history(self, rows: dict[str, torch.Tensor]) -> None:
+        """Rotate ``rows`` (fp32 sums rounded once to the model dtype, as the append kernel does), then center,
+        quantize and append them to the history."""
         cfg = self.config
+        rows = {side: rotate_rows(t, self.rotation(side)) for side, t in rows.items()}
         n = rows["key"].shape[2]
         if not self.n_history:  # the first rows to reach the history (usually the prompt) set the means
             for side in cfg.centered_sides:
@@ -390,13 +377,13 @@ class OscarLayer(CacheLayerMixin):
 
     # --------------------------------------------------------------------------------- reads
     def _history(self, side: str, stop: int, start: int = 0) -> torch.Tensor:
-        """History tokens ``[start, stop)`` of ``side``, dequantized (center added back): fp32 ``[B, H, stop - start,
-        D]``. With per-channel K, ``start`` and ``stop`` are multiples of the token group."""
+        """History tokens ``[start, stop)`` of ``side``, dequantized (center added back), in its rotated basis: fp32
+        ``[B, H, stop - start, D]``. With per-channel K, ``start`` and ``stop`` are multiples of the token group."""
         return dequantize_history(self.packed(), side, stop, start)
 
     def materialize(self, side: str, stop: int | None = None, dtype: torch.dtype | None = None,
                     new: torch.Tensor | None = None, fill=None) -> torch.Tensor:
-        """The stored sequence ``sink ‖ dequantized history ‖ recent`` of ``side``, rotated: its first ``stop``
+        """The sequence ``sink ‖ dequantized history ‖ recent`` of ``side`` in the model's basis: its first ``stop``
         tokens (default all), then ``new`` if given, in ``dtype`` (default the model's); ``fill`` as
         :func:`oscar_hf.kernels.dequantize.reference.materialize`'s."""
         self.check_flags()
@@ -457,7 +444,8 @@ class OscarLayer(CacheLayerMixin):
         if not cut:
             return
         start = self.n_history - cut
-        survivors = {side: self._history(side, start + unit, start)[:, :, :cut] for side in SIDES}
+        survivors = {side: unrotate(self._history(side, start + unit, start)[:, :, :cut], self.rotation(side))
+                     for side in SIDES}
         self._reserve(self.recent, 0, cut, self.recent_limit)
         self.recent.write(0, survivors)
         self.n_history, self.n_recent = start, cut
@@ -575,9 +563,9 @@ class StaticOscarLayer(OscarLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, leave_to_attention: bool = False,
                **kwargs) -> tuple[OscarKV, OscarKV]:
-        """Rotate and store new K/V ``[B, H, n, D]``. ``leave_to_attention`` (OscarQuantizedCache.update): a graph
-        step's token is stored by the attention function, whose append kernel then also rotates q
-        (:meth:`store_pending`), or else by the layer's next use."""
+        """Store new K/V ``[B, H, n, D]``. ``leave_to_attention`` (OscarQuantizedCache.update): a graph step's token
+        is stored by the attention function, whose append kernel then also rotates q (:meth:`store_pending`), or else
+        by the layer's next use."""
         if not self.takes_graph_step(key_states):
             return super().update(key_states, value_states)
         self.store_pending()
@@ -586,7 +574,7 @@ class StaticOscarLayer(OscarLayer):
             self._pending = (key_states, value_states)
         else:
             self._append_on_device(key_states, value_states)
-        return OscarKV(self, key_states, self.rotate_keys), OscarKV(self, value_states, self.rotate_values)
+        return OscarKV(self, key_states), OscarKV(self, value_states)
 
     def _append_on_device(self, key: torch.Tensor, value: torch.Tensor,
                           query: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -595,8 +583,8 @@ class StaticOscarLayer(OscarLayer):
         cfg = self.config
         return append(self.packed(), key, value, flags=self.flags, max_len=self.max_cache_len,
                       sink_tokens=cfg.sink_tokens, limit=self.recent_limit, flush=cfg.flush_tokens, k_clip=cfg.k_clip,
-                      v_clip=cfg.v_clip, key_rotation=self.key_rotation if self.rotates_keys else None,
-                      value_rotation=self.value_rotation if self.rotates_values else None, query=query)
+                      v_clip=cfg.v_clip, key_rotation=self.rotation("key"), value_rotation=self.rotation("value"),
+                      query=query)
 
     def _check_room(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super()._check_room(key_states, value_states)

@@ -1,7 +1,8 @@
 """Kernels over plain tensors (a :class:`PackedKV`), and the registry of backends by name.
 
 "torch" runs the twins (``*/reference.py``); "triton" (registered when triton imports) runs the Triton kernels where
-they serve a call and the twins elsewhere. Nothing here imports the cache.
+they serve a call and the twins elsewhere (and SDPA while nothing is quantized: the default cache's attention,
+exactly). Nothing here imports the cache.
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ else:
         from .decode.triton import decode
         from .dequantize import triton as dequantize
 
-        mask_length = sum(packed.lengths()[:3])
-        if launch.supports_call(query, packed, attention_mask, recent_tokens, mask_length):
+        lengths = packed.lengths()
+        if lengths[1] == 0:  # nothing quantized yet: SDPA over the model's own K and V, as the default cache
+            return decode_reference.attend(module, query, packed, new_key, new_value, attention_mask, scaling)
+        if launch.supports_call(query, packed, attention_mask, recent_tokens, sum(lengths[:3])):
             return decode(query, packed, attention_mask, scaling)
         fill = dequantize.fill_history if dequantize.supports(packed) else None
         return decode_reference.attend(module, query, packed, new_key, new_value, attention_mask, scaling, fill)

@@ -11,13 +11,16 @@ from ..quantizer import QuantizedRows
 
 @dataclass
 class PackedKV:
-    """The rotated sequence ``sink ‖ history ‖ recent`` of one layer, per batch row and KV head.
+    """The sequence ``sink ‖ history ‖ recent`` of one layer, per batch row and KV head.
+
+    The windows hold K and V as the model produced them; the history holds them rotated (``x @ R``, the basis the
+    quantizer works in), so that attention over tokens that never reach the history is the model's own.
 
     Attributes:
         sink_k, sink_v: the first tokens, model dtype ``[B, H, S, D]`` (``S`` rows of capacity).
         recent_k, recent_v: the newest tokens, model dtype ``[B, H, R, D]``: a ring buffer whose oldest token is
             row ``counts[3]``.
-        key, value: the history as ``QuantizedRows``: codes uint8 ``[B, H, N, D·bits/8]``; scale and zero
+        key, value: the rotated history as ``QuantizedRows``: codes uint8 ``[B, H, N, D·bits/8]``; scale and zero
             ``[B, H, N, D/group_size]`` per token, or ``[B, H, ⌈N/key_token_group⌉, D]`` for per-channel K.
         counts: sink, history and recent tokens and the ring start: an int32 tensor ``[4]`` or ``[8]`` (a static
             layer's, on the device; ``[4:8]`` the counts before its last graph step), or a tuple of ints.
@@ -25,6 +28,7 @@ class PackedKV:
         group_size: channels per scale and zero of a per-token row.
         key_center, value_center: fp32 ``[B, H, 1, D]`` where the history stores ``x − μ``, else None.
         key_token_group: None for per-token K; for per-channel K, the tokens that share a K scale row.
+        key_rotation, value_rotation: the history's bases ``R [D, D]`` in the model dtype, or None (identity).
     """
 
     sink_k: torch.Tensor
@@ -40,6 +44,8 @@ class PackedKV:
     key_center: torch.Tensor | None = None
     value_center: torch.Tensor | None = None
     key_token_group: int | None = None
+    key_rotation: torch.Tensor | None = None
+    value_rotation: torch.Tensor | None = None
 
     @property
     def windows(self) -> list[torch.Tensor]:
@@ -63,9 +69,15 @@ class PackedKV:
 
     def side(self, side: str) -> tuple[torch.Tensor, torch.Tensor, QuantizedRows, torch.Tensor | None, int]:
         """``(sink, recent, history rows, center, bits)`` of ``side`` ("key" or "value")."""
+        if side not in ("key", "value"):
+            raise ValueError(f"side must be 'key' or 'value'; got {side!r}")
         if side == "key":
             return self.sink_k, self.recent_k, self.key, self.key_center, self.key_bits
         return self.sink_v, self.recent_v, self.value, self.value_center, self.value_bits
+
+    def rotation(self, side: str) -> torch.Tensor | None:
+        """The history basis of ``side`` (None: identity)."""
+        return self.key_rotation if side == "key" else self.value_rotation
 
     def lengths(self) -> tuple[int, int, int, int]:
         """``(sink, history, recent, ring start)`` as ints (reading device counts synchronises)."""
@@ -109,7 +121,8 @@ class PackedKV:
     def empty(cls, batch: int, heads: int, head_dim: int, *, sink: int, history: int, recent: int,
               dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", key_bits: int = 2,
               value_bits: int = 2, group_size: int | None = None, scale_dtype: torch.dtype = torch.float16,
-              centered: bool = False, key_token_group: int | None = None) -> "PackedKV":
+              centered: bool = False, key_token_group: int | None = None,
+              key_rotation: torch.Tensor | None = None, value_rotation: torch.Tensor | None = None) -> "PackedKV":
         """Uninitialised storage of the given capacities (tokens) with zero counts: for kernels and benchmarks
         that need no cache."""
         group = group_size or head_dim
@@ -126,4 +139,5 @@ class PackedKV:
                                                                                                 recent)]
         center = [torch.zeros(batch, heads, 1, head_dim, device=device) if centered else None for _ in range(2)]
         return cls(*window, rows(key_bits, key_token_group or 1, key_columns), rows(value_bits, 1, head_dim // group),
-                   (0, 0, 0, 0), key_bits, value_bits, group, *center, key_token_group)
+                   (0, 0, 0, 0), key_bits, value_bits, group, *center, key_token_group, key_rotation,
+                   value_rotation)

@@ -40,15 +40,18 @@ def make_layer(dim: int = D, **config) -> OscarLayer:
 
 
 def expected_sequence(layer: OscarLayer, x: torch.Tensor, side: str, first_demoted: int) -> torch.Tensor:
-    """What the layer should hold of the sequence ``x`` (keys or values) given its counts: windows exact, history
-    quantized after subtracting the mean of the ``first_demoted`` tokens that reached it first."""
+    """What the layer should give back of the sequence ``x`` (keys or values) given its counts: windows exact, history
+    rotated, quantized after subtracting the mean of the ``first_demoted`` tokens that reached it first, and rotated
+    back."""
     cfg = layer.config
-    rotated = cache_module.rotate(x, layer.key_rotation if side == "key" else layer.value_rotation)
+    rotation = layer.key_rotation if side == "key" else layer.value_rotation
+    rotated = x @ rotation
     s, q = layer.n_sink, layer.n_history
     center = rotated[:, :, s : s + first_demoted].mean(dim=2, keepdim=True)
     clip = cfg.k_clip if side == "key" else cfg.v_clip
     history = quantize(rotated[:, :, s : s + q] - center, bits=cfg.bits, clip=clip, scale_dtype=cfg.torch_scale_dtype)
-    return torch.cat([rotated[:, :, :s], dequantize(history, cfg.bits) + center, rotated[:, :, s + q :]], dim=2)
+    restored = (dequantize(history, cfg.bits) + center) @ rotation.T
+    return torch.cat([x[:, :, :s], restored, x[:, :, s + q :]], dim=2)
 
 
 def test_prefill_splits_sink_history_recent():
@@ -83,16 +86,16 @@ def test_uncentered_history_and_reset_forgets_the_means():
     layer.update(keys, values)
     assert layer.center["key"].numel() == 0
     cfg = layer.config
-    rotated = cache_module.rotate(keys, layer.key_rotation)
+    rotated = keys @ layer.key_rotation
     history = quantize(rotated[:, :, 4:22], bits=cfg.bits, clip=cfg.k_clip, scale_dtype=cfg.torch_scale_dtype)
-    torch.testing.assert_close(layer.materialize("key")[:, :, 4:22], dequantize(history, cfg.bits), rtol=0, atol=1e-5)
+    torch.testing.assert_close(layer._history("key", 18), dequantize(history, cfg.bits), rtol=0, atol=1e-5)
     centered = make_layer()
     centered.update(keys, values)
     assert centered.center["key"].shape == (B, H, 1, D)
     torch.testing.assert_close(centered.center["key"], rotated[:, :, 4:22].mean(2, True))
     centered.reset()
     centered.update(values, keys)  # a new sequence: new means
-    new_keys = cache_module.rotate(values, centered.key_rotation)
+    new_keys = values @ centered.key_rotation
     torch.testing.assert_close(centered.center["key"], new_keys[:, :, 4:22].mean(2, True))
 
 
@@ -273,8 +276,7 @@ def test_attention_matches_a_dense_reference_over_dequantized_kv():
     handle_k, handle_v = layer.update(rows(1, 3), rows(1, 4))
     mask = torch.ones(B, 1, 1, 21, dtype=torch.bool)
     out, _ = oscar_attention_forward(module, query, handle_k, handle_v, mask, scaling=D**-0.5)
-    k_hat = layer.materialize("key") @ layer.key_rotation.T
-    v_hat = layer.materialize("value") @ layer.value_rotation.T
+    k_hat, v_hat = layer.materialize("key"), layer.materialize("value")
     dense = torch.nn.functional.scaled_dot_product_attention(
         query, k_hat.repeat_interleave(2, 1), v_hat.repeat_interleave(2, 1), attn_mask=mask, scale=D**-0.5
     )
@@ -350,45 +352,49 @@ def test_backend_auto_is_triton_on_cuda_and_torch_on_cpu():
 
 
 # ------------------------------------------------------------------------- per-channel K (KIVI's key layout)
-def rotate(layer: OscarLayer, x: torch.Tensor, side: str, chunks: list[int]) -> torch.Tensor:
-    """``x`` rotated as the layer rotated it: chunk by chunk (a matmul's rounding depends on its shape, and one
-    fp32 ulp can move a per-channel min or max across an fp16 rounding boundary)."""
-    rotation = layer.key_rotation if side == "key" else layer.value_rotation
-    return torch.cat([cache_module.rotate(part, rotation) for part in x.split(chunks, dim=2)], dim=2)
+def signed_permutation(dim: int, seed: int) -> torch.Tensor:
+    """An orthogonal matrix whose products are exact in any summation order, so that the expected per-channel
+    scales (a min or max one fp32 ulp off can cross an fp16 rounding boundary) do not depend on GEMM shapes."""
+    g = torch.Generator().manual_seed(seed)
+    eye = torch.eye(dim)[torch.randperm(dim, generator=g)]
+    return eye * torch.where(torch.rand(dim, generator=g) < 0.5, -1.0, 1.0)
 
 
-def rotate_all(layer: OscarLayer, keys: torch.Tensor, values: torch.Tensor, chunks: list[int]) -> dict:
-    return {"key": rotate(layer, keys, "key", chunks), "value": rotate(layer, values, "value", chunks)}
+def make_per_channel_layer(**config) -> OscarLayer:
+    cfg = OscarConfig(**{"sink_tokens": 4, "recent_tokens": 8, "flush_tokens": 4, **PER_CHANNEL, **config})
+    return DynamicOscarLayer(cfg, signed_permutation(D, 1), signed_permutation(D, 2))
 
 
-def expected_per_channel_sequence(layer: OscarLayer, rotated: torch.Tensor, side: str) -> torch.Tensor:
-    """What a per-channel-K layer should hold of the rotated sequence given its counts: windows exact; in the
-    history, K quantized per channel over groups of flush_tokens tokens (from its first token), V per token."""
+def expected_per_channel_sequence(layer: OscarLayer, x: torch.Tensor, side: str) -> torch.Tensor:
+    """What a per-channel-K layer should give back of the sequence ``x`` given its counts: windows exact; in the
+    history, rotated K quantized per channel over groups of flush_tokens tokens (from its first token), V per token,
+    rotated back."""
     cfg = layer.config
+    rotation = layer.key_rotation if side == "key" else layer.value_rotation
     s, q = layer.n_sink, layer.n_history
-    block = rotated[:, :, s : s + q]
+    block = x[:, :, s : s + q] @ rotation
     scale_dtype = cfg.torch_scale_dtype
     if side == "key":
         quantized = quantize_per_channel(block, token_group=cfg.flush_tokens, bits=cfg.bits, scale_dtype=scale_dtype)
         history = dequantize_per_channel(quantized, cfg.bits)
     else:
         history = dequantize(quantize(block, bits=cfg.bits, clip=cfg.v_clip, scale_dtype=scale_dtype), cfg.bits)
-    return torch.cat([rotated[:, :, :s], history, rotated[:, :, s + q : layer.length]], dim=2)
+    return torch.cat([x[:, :, :s], history @ rotation.T, x[:, :, s + q : layer.length]], dim=2)
 
 
-def assert_holds(layer: OscarLayer, rotated: dict[str, torch.Tensor]) -> None:
-    for side, x in rotated.items():
+def assert_holds(layer: OscarLayer, sequence: dict[str, torch.Tensor]) -> None:
+    for side, x in sequence.items():
         expected = expected_per_channel_sequence(layer, x, side)
         torch.testing.assert_close(layer.materialize(side), expected, rtol=0, atol=1e-5)
 
 
 def test_per_channel_keys_with_centered_values():
     """centering with per-channel K centers V alone: K is stored as without it, V's history holds v - μ_V."""
-    layer = make_layer(**{**PER_CHANNEL, "centering": True})
+    layer = make_per_channel_layer(centering=True)
     keys, values = rows(30, 0), rows(30, 1)
     layer.update(keys, values)
-    rotated = rotate_all(layer, keys, values, [30])
-    torch.testing.assert_close(layer.materialize("key"), expected_per_channel_sequence(layer, rotated["key"], "key"),
+    rotated = {"key": keys @ layer.key_rotation, "value": values @ layer.value_rotation}
+    torch.testing.assert_close(layer.materialize("key"), expected_per_channel_sequence(layer, keys, "key"),
                                rtol=0, atol=1e-5)
     s, q = layer.n_sink, layer.n_history
     mean = rotated["value"][:, :, s : s + q].mean(2, keepdim=True)
@@ -397,23 +403,22 @@ def test_per_channel_keys_with_centered_values():
     cfg = layer.config
     history = quantize(rotated["value"][:, :, s : s + q] - mean, bits=cfg.bits, clip=cfg.v_clip,
                        scale_dtype=cfg.torch_scale_dtype)
-    torch.testing.assert_close(layer.materialize("value")[:, :, s : s + q], dequantize(history, cfg.bits) + mean,
-                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(layer._history("value", q), dequantize(history, cfg.bits) + mean, rtol=0, atol=1e-5)
     bits, _ = layer.stored_bits_and_elements()
-    uncentered = make_layer(**PER_CHANNEL)
+    uncentered = make_per_channel_layer()
     uncentered.update(keys, values)
     assert bits == uncentered.stored_bits_and_elements()[0] + 32 * B * H * D  # one fp32 μ_V per row and head
 
 
 def test_per_channel_prefill_demotes_whole_token_groups():
-    layer = make_layer(**PER_CHANNEL)  # sink 4, recent 8, token group 4
+    layer = make_per_channel_layer()  # sink 4, recent 8, token group 4
     keys, values = rows(30, 0), rows(30, 1)
     layer.update(keys, values)
     assert (layer.n_sink, layer.n_history, layer.n_recent) == (4, 16, 10), "26 past the sink: 4 whole groups"
     used = layer.history.read(layer.n_history)
     assert used["key_scale"].shape == used["key_zero"].shape == (B, H, 4, D), "one scale per channel and group"
     assert used["key_codes"].shape == (B, H, 16, D // 4) and used["value_scale"].shape == (B, H, 16, 1)
-    assert_holds(layer, rotate_all(layer, keys, values, [30]))
+    assert_holds(layer, {"key": keys, "value": values})
 
 
 @pytest.mark.parametrize(
@@ -422,7 +427,7 @@ def test_per_channel_prefill_demotes_whole_token_groups():
     ids=["decode", "uneven-chunks"],
 )
 def test_per_channel_demotions_move_whole_token_groups(chunks, steps):
-    layer = make_layer(**PER_CHANNEL)
+    layer = make_per_channel_layer()
     keys, values = rows(sum(chunks), 0), rows(sum(chunks), 1)
     start, history_sizes = 0, [0]
     for n in chunks:
@@ -431,11 +436,11 @@ def test_per_channel_demotions_move_whole_token_groups(chunks, steps):
         history_sizes.append(layer.n_history)
         assert layer.n_recent <= 11 and (layer.n_history == 0 or layer.n_recent >= 8)
     assert {b - a for a, b in zip(history_sizes, history_sizes[1:])} == steps
-    assert_holds(layer, rotate_all(layer, keys, values, chunks))
+    assert_holds(layer, {"key": keys, "value": values})
 
 
 def test_per_channel_crop_into_a_token_group_requantizes_its_survivors_with_their_next_group():
-    layer = make_layer(**PER_CHANNEL)
+    layer = make_per_channel_layer()
     keys, values = rows(60, 0), rows(60, 1)
     layer.update(keys[:, :, :30], values[:, :, :30])  # sink 4, history 16 (positions 4..19), recent 10
     before = {side: layer.materialize(side) for side in ("key", "value")}
@@ -447,10 +452,9 @@ def test_per_channel_crop_into_a_token_group_requantizes_its_survivors_with_thei
         layer.update(keys[:, :, t : t + 1], values[:, :, t : t + 1])
         assert layer.n_history % 4 == 0
     # tokens 12 and 13 went back to the window as read from the history, and were quantized again from there
-    first = rotate_all(layer, keys[:, :, :30], values[:, :, :30], [30])
-    rest = rotate_all(layer, keys[:, :, 14:], values[:, :, 14:], [1] * 46)
-    rotated = {side: torch.cat([first[side][:, :, :12], before[side][:, :, 12:14], rest[side]], dim=2) for side in rest}
-    assert_holds(layer, rotated)
+    given = {"key": keys, "value": values}
+    assert_holds(layer, {side: torch.cat([x[:, :, :12], before[side][:, :, 12:14], x[:, :, 14:]], dim=2)
+                         for side, x in given.items()})
 
 
 def test_kivi_2_stores_what_its_bits_per_element_say():
@@ -504,8 +508,7 @@ def test_per_channel_keys_in_groups_of_one_token(centering):
     n = layer.n_history
     assert n == 20 - 4 - 8 and layer.history["key_scale"].shape[-1] == D
     stored = layer.materialize("key")[:, :, 4 : 4 + n]
-    torch.testing.assert_close(stored, cache_module.rotate(keys, layer.key_rotation)[:, :, 4 : 4 + n], rtol=0,
-                               atol=1e-4)  # (the fp16 zero: the value rounded down)
+    torch.testing.assert_close(stored, keys[:, :, 4 : 4 + n], rtol=0, atol=1e-4)  # (the fp16 zero: rounded down)
     assert not layer.packed().per_token_keys and layer.packed().key_token_group == 1
     if centering:
         with pytest.raises(ValueError, match="center both K and V or neither"):

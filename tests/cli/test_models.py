@@ -232,6 +232,34 @@ def test_smollm2_greedy_chat_answer(smollm2):
 
 
 @real_model
+def test_smollm2_bf16_generations_inside_the_windows_equal_the_default_caches():
+    """The real SmolLM2 in bf16 with rotations whose entries bf16 does not represent (random orthogonal, as a
+    calibrated bundle's): greedy chats that stay inside the sink and recent windows give the default cache's tokens
+    and logits, bit for bit (the windows hold K and V as the model produced them)."""
+    from transformers import DynamicCache
+
+    from oscar_hf import OscarQuantizedCache, OscarRotations
+
+    model, tokenizer = load_or_skip(lambda dtype: load_smollm2(dtype=torch.bfloat16))
+    config = model.config
+    generator = torch.Generator().manual_seed(0)
+    shape = (config.num_hidden_layers, config.head_dim, config.head_dim)
+    key_rotation, value_rotation = (torch.linalg.qr(torch.randn(shape, generator=generator)).Q for _ in range(2))
+    rotations = OscarRotations(key_rotation, value_rotation, num_kv_heads=config.num_key_value_heads)
+    inputs = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    runs = []
+    for cache in (DynamicCache(config=config), OscarQuantizedCache.from_pretrained(rotations, model=model)):
+        with torch.no_grad():
+            out = model.generate(**inputs, past_key_values=cache, max_new_tokens=12, do_sample=False,
+                                 return_dict_in_generate=True, output_logits=True)
+        runs.append((out.sequences, torch.stack(out.logits)))
+    assert cache.layers[0].n_history == 0, "the chat stays inside the windows"
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    assert "Paris" in tokenizer.decode(runs[1][0][0])
+
+
+@real_model
 def test_gemma3_config_shape(gemma3):
     model, tokenizer = gemma3
     config = model.config

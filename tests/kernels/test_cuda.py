@@ -187,9 +187,9 @@ def test_layers_split_over_two_gpus_generate_like_one(tmp_path):
 @pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "mask"])
 @pytest.mark.parametrize("sink_tokens", [4, 0])
 def test_a_static_layers_decode_launches_only_its_three_stages(masked, sink_tokens):
-    """A static layer's decode step is q's rotation, stage 1 and stage 2, and no other kernel: a fill or copy (of a
-    placeholder for an absent mask or an empty sink) between the kernel before and stage 1 would keep stage 1 from
-    launching early."""
+    """A static layer's decode step is q's rotation, stage 1, stage 2 and the GEMM that brings the history's share of
+    the output back by R_Vᵀ, and no other kernel: a fill or copy (of a placeholder for an absent mask or an empty
+    sink) between the kernel before and stage 1 would keep stage 1 from launching early."""
     from oscar_hf import OscarConfig, StaticOscarLayer
     from oscar_hf.kernels.decode.triton import decode_static
     from oscar_hf.rotations import hadamard_matrix
@@ -202,19 +202,19 @@ def test_a_static_layers_decode_launches_only_its_three_stages(masked, sink_toke
     layer.update(kv[0, :, :, 100:], kv[1, :, :, 100:])  # a graph step
     query = torch.randn(1, 8, 1, 128, device="cuda").to(torch.bfloat16)
     mask = torch.ones(1, 1, 1, 200, dtype=torch.bool, device="cuda") if masked else None
-    decode_static(query, layer.packed(), mask, None, layer.decode_splits, layer.key_rotation)  # compiles
+    decode_static(query, layer.packed(), mask, None, layer.decode_splits)  # compiles
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        decode_static(query, layer.packed(), mask, None, layer.decode_splits, layer.key_rotation)
+        decode_static(query, layer.packed(), mask, None, layer.decode_splits)
         torch.cuda.synchronize()
     work = sorted(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    assert len(work) == 3, work
+    assert len(work) == 4, work
     assert [any(stage in name for name in work) for stage in ("rotate_query", "stage1", "stage2")] == [True] * 3, work
 
 
 def test_a_step_left_to_the_attention_launches_the_append_and_two_stages():
     """A static layer's step as OscarQuantizedCache.update and the attention function run it: the append kernel
-    (which rotates q as well), stage 1 and stage 2, and no other kernel."""
+    (which rotates q as well), stage 1, stage 2 and the R_Vᵀ GEMM, and no other kernel."""
     from oscar_hf import OscarConfig, StaticOscarLayer
     from oscar_hf.kernels.decode.triton import decode_static
     from oscar_hf.rotations import hadamard_matrix
@@ -229,7 +229,7 @@ def test_a_step_left_to_the_attention_launches_the_append_and_two_stages():
 
     def step(new):
         layer.update(new[0], new[1], leave_to_attention=True)
-        return decode_static(layer.store_pending(query), layer.packed(), None, None, layer.decode_splits)
+        return decode_static(query, layer.packed(), None, None, layer.decode_splits, layer.store_pending(query))
 
     step(steps[0])  # compiles
     torch.cuda.synchronize()
@@ -237,5 +237,5 @@ def test_a_step_left_to_the_attention_launches_the_append_and_two_stages():
         step(steps[1])
         torch.cuda.synchronize()
     work = sorted(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    assert len(work) == 3, work
+    assert len(work) == 4, work
     assert [any(stage in name for name in work) for stage in ("append_token", "stage1", "stage2")] == [True] * 3, work

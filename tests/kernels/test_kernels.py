@@ -439,10 +439,12 @@ def test_window_chunks_of_one_tile_where_history_programs_are_short(batch, token
     assert (layer.history.capacity <= 8 * 64 * two[0]) == (tiles == 1)
 
 
+@pytest.mark.parametrize("apart", [False, True], ids=["one-output", "apart"])
 @pytest.mark.parametrize("centered", [False, True], ids=["plain", "centered"])
-def test_decode_merge_of_many_splits(centered):
+def test_decode_merge_of_many_splits(centered, apart):
     """Stage 2 over more splits than one step holds (300 > 128), with empty splits and a row with no valid key;
-    centered, the history splits (from 120 on) get q·μ_K on their lse and the output μ_V times their weight."""
+    centered, the history splits (from 120 on) get q·μ_K on their lse and the output μ_V times their weight; apart
+    (a V rotation), the windows' and the history's shares of the output are written to two buffers."""
     rows, splits, dim, hist_from, qk_scale = 3, 300, 64, 120, 0.5
     part_o = randn(rows, splits, dim, seed=3)
     part_lse = randn(rows, splits, seed=4) * 4
@@ -451,17 +453,24 @@ def test_decode_merge_of_many_splits(centered):
     part_lse[2] = float("-inf")
     query = randn(1, rows, 1, dim, seed=5).to(torch.bfloat16)  # one KV head per query head
     mu_k, mu_v = randn(1, rows, dim, seed=6), randn(1, rows, dim, seed=7)
-    out = torch.empty(rows, dim, dtype=torch.bfloat16, device=DEVICE)
-    _decode_stage2_kernel[(rows, dim // 32)](part_o, part_lse, out, splits, hist_from, query, *query.stride()[:3],
-                                             mu_k, mu_v, *mu_k.stride()[:2], rows, qk_scale, G_Q=1, Q_LEN=1, D=dim,
-                                             BLOCK_D=32, BLOCK_S=128, CENTERED=centered, PDL=False)
+    out, out_hist = (torch.empty(rows, dim, dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
+    _decode_stage2_kernel[(rows, dim // 32)](part_o, part_lse, out, out_hist, splits, hist_from, query,
+                                             *query.stride()[:3], mu_k, mu_v, *mu_k.stride()[:2], rows, qk_scale,
+                                             G_Q=1, Q_LEN=1, D=dim, BLOCK_D=32, BLOCK_S=128, CENTERED=centered,
+                                             APART=apart, PDL=False)
     hist = torch.arange(splits, device=DEVICE) >= hist_from
     shift = (query[0, :, 0].float() * mu_k[0]).sum(-1, keepdim=True) * qk_scale if centered else 0.0
     weights = torch.softmax(torch.where(hist, part_lse + shift, part_lse)[:2] * math.log(2), dim=-1)
-    want = torch.einsum("rs,rsd->rd", weights, part_o[:2])
+    windows = torch.einsum("rs,rsd->rd", weights * ~hist, part_o[:2])
+    history = torch.einsum("rs,rsd->rd", weights * hist, part_o[:2])
     if centered:
-        want += (weights * hist).sum(-1, keepdim=True) * mu_v[0, :2]
-    torch.testing.assert_close(out[:2].float(), want, rtol=1e-2, atol=1e-2)
+        history += (weights * hist).sum(-1, keepdim=True) * mu_v[0, :2]
+    if apart:
+        torch.testing.assert_close(out[:2].float(), windows, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(out_hist[:2].float(), history, rtol=1e-2, atol=1e-2)
+        assert torch.equal(out_hist[2], torch.zeros_like(out_hist[2]))
+    else:
+        torch.testing.assert_close(out[:2].float(), windows + history, rtol=1e-2, atol=1e-2)
     assert torch.equal(out[2], torch.zeros_like(out[2]))
 
 
@@ -685,10 +694,10 @@ def test_graph_step_stores_what_the_host_path_stores(prompt, config):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("dim, q_len", [(64, 1), (128, 3), (256, 1)])
 def test_query_rotation_kernel_equals_the_rotate_gemm(dim, q_len, dtype):
-    """Stage 0 (q · R_K in the decode operator) stores what ``cache.rotate`` computes, bit for bit, from the strided
+    """Stage 0 (q · R_K in the decode operator) stores what ``rotate_rows`` computes, bit for bit, from the strided
     q that attention receives (``[B, q, Hq, D]`` transposed), for rows that do not fill its row block. On values whose
     sums are exact in fp32 (multiples of 1/4 below 64 times ±1: an unnormalised Hadamard), both round once."""
-    from oscar_hf.cache import rotate
+    from oscar_hf.kernels.append.reference import rotate_rows
     from oscar_hf.kernels.decode.triton import rotate_query
 
     signs = hadamard_matrix(dim) * dim**0.5
@@ -697,16 +706,16 @@ def test_query_rotation_kernel_equals_the_rotate_gemm(dim, q_len, dtype):
     query = ((randn(3, q_len, 6, dim, seed=2) * 8).round() / 4).to(dtype).transpose(1, 2)  # [B, Hq, q, D] strided
     got = rotate_query(query, rotation)
     assert got.is_contiguous() and got.dtype == dtype
-    torch.testing.assert_close(got, rotate(query, rotation), rtol=0, atol=0)
+    torch.testing.assert_close(got, rotate_rows(query, rotation), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dim, group_q", [(64, 4), (128, 1), (128, 16)])
 def test_append_kernel_rotates_the_step_query_like_the_rotate_gemm(dim, group_q):
     """A graph step left to the attention (as OscarQuantizedCache.update leaves it) is stored by the append kernel
-    that also rotates the step's query: q · R_K as ``cache.rotate`` computes it, bit for bit on exact sums, from the
+    that also rotates the step's query: q · R_K as ``rotate_rows`` computes it, bit for bit on exact sums, from the
     strided q that attention receives (17 rows at a group of 16); the layer then holds what steps stored at once
     hold, and the token is stored once."""
-    from oscar_hf.cache import rotate
+    from oscar_hf.kernels.append.reference import rotate_rows
 
     config = dict(sink_tokens=2, recent_tokens=4, flush_tokens=2)
     left, stored = (static_and_host_layers(dim, **config)[0] for _ in range(2))
@@ -719,7 +728,7 @@ def test_append_kernel_rotates_the_step_query_like_the_rotate_gemm(dim, group_q)
         stored.update(kv[0, :, :, t : t + 1], kv[1, :, :, t : t + 1])
         rotated = left.store_pending(query)
         assert rotated.is_contiguous() and left.store_pending(query) is None
-        torch.testing.assert_close(rotated, rotate(query, left.key_rotation), rtol=0, atol=0)
+        torch.testing.assert_close(rotated, rotate_rows(query, left.key_rotation), rtol=0, atol=0)
     assert left.counts.tolist() == stored.counts.tolist() and left.n_history > 0
     for side in ("key", "value"):
         assert torch.equal(left.materialize(side), stored.materialize(side))
@@ -815,8 +824,8 @@ def test_graph_step_decode_equals_the_host_decode():
             layer.update(kv[0, :, :, t : t + 1], kv[1, :, :, t : t + 1])
         if t % 7 == 0:
             query = randn(2, 8, 1, 128, seed=t).to(torch.bfloat16)
-            got = decode_static(query, static.packed(), mask, None, static.decode_splits, static.key_rotation)
-            want = decode(host.rotate_keys(query), host.packed(), mask[..., :301], None)
+            got = decode_static(query, static.packed(), mask, None, static.decode_splits)
+            want = decode(query, host.packed(), mask[..., :301], None)
             torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
     assert static.recent_start != 0
 

@@ -1,5 +1,6 @@
 """The append kernel's torch twin: one token into a PackedKV with device counts, demoting the window's oldest rows
-into the history when it is full. Same arguments and effects as :func:`oscar_hf.kernels.append.triton.append`."""
+(rotated) into the history when it is full. Same arguments and effects as
+:func:`oscar_hf.kernels.append.triton.append`."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ def append(packed: PackedKV, key: torch.Tensor, value: torch.Tensor, *, flags: t
            sink_tokens: int, limit: int, flush: int, k_clip: float, v_clip: float,
            key_rotation: torch.Tensor | None = None, value_rotation: torch.Tensor | None = None,
            query: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Store one token's K and V ``[B, H, 1, D]``, rotated, and advance ``packed.counts`` (int32 ``[8]``); errors are
-    or-ed into ``flags[0]``. Returns ``query`` rotated by ``key_rotation`` where both are given, else None."""
+    """Store one token's K and V ``[B, H, 1, D]`` as given, demoting the window's ``flush`` oldest rows, rotated,
+    where it is full, and advance ``packed.counts`` (int32 ``[8]``); errors are or-ed into ``flags[0]``. Returns
+    ``query`` rotated by ``key_rotation`` where both are given, else None."""
     counts = packed.counts
     n_sink, n_hist, n_rec, start = packed.lengths()
     cap = packed.recent_k.shape[2]
@@ -32,13 +34,13 @@ def append(packed: PackedKV, key: torch.Tensor, value: torch.Tensor, *, flags: t
              ("value", value, value_rotation, v_clip, flag_bits.VALUE_SHIFT))
     for side, x, rotation, clip, shift in sides:
         sink, recent, rows, center, bits = packed.side(side)
-        x = rotate_rows(x, rotation)[:, :, 0]
+        x = x[:, :, 0]
         if to_sink:
             sink[:, :, n_sink] = x
         elif to_recent:
             if demoted:
                 ring = (start + torch.arange(flush, device=recent.device)) % cap
-                old = recent.index_select(2, ring).float()
+                old = rotate_rows(recent.index_select(2, ring), rotation).float()
                 if center is not None:
                     if n_hist == 0:
                         center.copy_(old.mean(dim=2, keepdim=True))

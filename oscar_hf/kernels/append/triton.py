@@ -1,16 +1,17 @@
-"""Triton append kernel: one decode step's K and V, rotated, into a static layer's PackedKV, with the counts read and
-advanced on the device (no host synchronisation). Twin: :func:`oscar_hf.kernels.append.reference.append`.
+"""Triton append kernel: one decode step's K and V into a static layer's PackedKV, with the counts read and advanced
+on the device (no host synchronisation). Twin: :func:`oscar_hf.kernels.append.reference.append`.
 
-The token goes to the sink while it has room, else to the recent window, a ring buffer of ``limit + 1`` rows starting
-at ``counts[3]``; when the window holds ``limit`` tokens, its ``flush`` oldest rows are first centered (the first rows
-to reach an empty history set the means), clipped, quantized and packed into the history with the write kernel's tile
-(:func:`oscar_hf.kernels.triton_utils.quantize_tile`), and the ring start moves past them: demotion moves no data, and
-the new token never lands on a demoted row. Rotation runs on the tensor cores (fp32 sums, rounded once to nearest
-even); given the step's query, the K program rotates its GQA group's query rows in the same dot. K and V each have a
-program per (batch, head). Every program reads the counts; the last to arrive (an atomic count in ``flags[1]``, which
-it resets) writes them advanced, with the counts it started from in ``counts[4:8]``, so that undoing the step is
-restoring them. Errors (non-finite K/V, a scale overflow, a full cache) are or-ed into ``flags[0]``
-(:mod:`oscar_hf.kernels.flags`). Design notes: ``docs/kernels/append.md``.
+The token goes, as the model produced it, to the sink while it has room, else to the recent window, a ring buffer of
+``limit + 1`` rows starting at ``counts[3]``; when the window holds ``limit`` tokens, its ``flush`` oldest rows are
+first rotated (on the tensor cores: fp32 sums, rounded once to the model dtype, to nearest even), centered (the first
+rows to reach an empty history set the means), clipped, quantized and packed into the history with the write
+kernel's tile (:func:`oscar_hf.kernels.triton_utils.quantize_tile`), and the ring start moves past them: demotion
+moves no data, and the new token never lands on a demoted row. Given the step's query, the K program also rotates its
+GQA group's query rows (for the decode's history programs). K and V each have a program per (batch, head). Every
+program reads the counts; the last to arrive (an atomic count in ``flags[1]``, which it resets) writes them advanced,
+with the counts it started from in ``counts[4:8]``, so that undoing the step is restoring them. Errors (non-finite
+K/V, a scale overflow, a full cache) are or-ed into ``flags[0]`` (:mod:`oscar_hf.kernels.flags`). Design notes:
+``docs/kernels/append.md``.
 """
 
 from __future__ import annotations
@@ -39,20 +40,31 @@ V_FLAGS = tl.constexpr(VALUE_SHIFT)
 
 
 @triton.jit
-def _ring_rows(ring, stride_rn, start, mu, n_hist, CAP: tl.constexpr, FLUSH: tl.constexpr, BLOCK_F: tl.constexpr,
-               CENTERED: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
-    """The FLUSH oldest ring rows of one (batch, head) and side, as the write kernel's channel sub-tiles (fp32
-    ``[BLOCK_F, D·BITS/8]`` each; rows past FLUSH zero), and their mean where the history is empty and CENTERED (the
-    first tokens to reach it set its means; else the stored means, or nothing)."""
+def _ring_rows(ring, stride_rn, start, mu, n_hist, r_ptr, CAP: tl.constexpr, FLUSH: tl.constexpr,
+               BLOCK_F: tl.constexpr, CENTERED: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+               ROTATE: tl.constexpr, FP32_DOT: tl.constexpr):
+    """The FLUSH oldest ring rows of one (batch, head) and side, times ``R [D, D]`` where ROTATE (fp32 sums rounded
+    once to the model dtype, as the torch writes), as the write kernel's channel sub-tiles (fp32
+    ``[BLOCK_F, D·BITS/8]`` each; rows past FLUSH zero), and their mean where the history is empty and CENTERED
+    (the first tokens to reach it set its means; else the stored means, or nothing)."""
     W: tl.constexpr = D * BITS // 8
     r = tl.arange(0, BLOCK_F)
     live = r < FLUSH
     slots = ((start + r) % CAP).to(tl.int64)
+    if ROTATE:
+        inner = tl.arange(0, D)
+        rows = tl.load(ring + slots[:, None] * stride_rn + inner[None, :], mask=live[:, None], other=0.0)
     xs = ()
     centers = ()
     for i in tl.static_range(8 // BITS):
         cols = i * W + tl.arange(0, W)
-        x = tl.load(ring + slots[:, None] * stride_rn + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        if ROTATE:
+            rotation = tl.load(r_ptr + inner[:, None] * D + cols[None, :])
+            x = dot(rows, rotation, tl.zeros([BLOCK_F, W], tl.float32), FP32_DOT)
+            x = to_nearest_even(x, ring.dtype.element_ty).to(tl.float32)
+        else:
+            x = tl.load(ring + slots[:, None] * stride_rn + cols[None, :], mask=live[:, None],
+                        other=0.0).to(tl.float32)
         xs = xs + (x,)
         if CENTERED:
             if n_hist == 0:
@@ -87,7 +99,7 @@ def _demote_rows(xs, centers, codes, scale, zero, stride_cn, stride_zn, n_hist, 
 @triton.jit
 def _rotation(r_ptr, D: tl.constexpr, ROTATE: tl.constexpr, CHUNK: tl.constexpr = 64):
     """``R [D, D]`` as blocks of CHUNK rows, loaded at once where all of it fits in shared memory (D <= 128: 32 KB);
-    empty without ROTATE or at D = 256 (128 KB), which :func:`_token` loads a block at a time."""
+    empty without ROTATE or at D = 256 (128 KB), which :func:`_rotate_queries` loads a block at a time."""
     blocks = ()
     if ROTATE and D <= 128:
         cols = tl.arange(0, D)
@@ -97,52 +109,25 @@ def _rotation(r_ptr, D: tl.constexpr, ROTATE: tl.constexpr, CHUNK: tl.constexpr 
 
 
 @triton.jit
-def _token(x_ptr, r_ptr, blocks, D: tl.constexpr, ROTATE: tl.constexpr, FP32_DOT: tl.constexpr,
-           CHUNK: tl.constexpr = 64):
-    """A token's row ``x [D]``, times ``R [D, D]`` where ROTATE: on the tensor cores, ``x`` as row 0 of a ``[16, D]``
-    operand (fp32 sums of exact products, rounded once; FP32_DOT: fp32 operands, for TRITON_INTERPRET). ``blocks``:
-    R as :func:`_rotation` loaded it ahead (R comes from DRAM: the weights evict it from L2); else (D = 256) CHUNK
-    rows at a time."""
-    cols = tl.arange(0, D)
-    if ROTATE:
-        rows = tl.arange(0, 16)
-        acc = tl.zeros([16, D], tl.float32)
-        for i in tl.static_range(0, D, CHUNK):
-            inner = i + tl.arange(0, CHUNK)
-            x = tl.load(x_ptr + rows[:, None] * 0 + inner[None, :], mask=rows[:, None] == 0, other=0.0)
-            if len(blocks) > 0:
-                r = blocks[i // CHUNK]
-            else:
-                r = tl.load(r_ptr + inner[:, None] * D + cols[None, :])
-            acc = dot(x, r, acc, FP32_DOT)
-        row = to_nearest_even(tl.sum(acc, axis=0), x_ptr.dtype.element_ty)  # row 0: the others are zero
-    else:
-        row = tl.load(x_ptr + cols)
-    return row
-
-
-@triton.jit
-def _key_and_queries(x_ptr, q_ptr, stride_qh, q_out, r_ptr, blocks, D: tl.constexpr, G_Q: tl.constexpr,
-                     BLOCK_Q: tl.constexpr, FP32_DOT: tl.constexpr, CHUNK: tl.constexpr = 64):
-    """:func:`_token` of K with its GQA group's ``G_Q`` query rows (at ``q_ptr``, ``stride_qh`` apart) in the same
-    dot: ``[BLOCK_Q, D]`` rows k, q_0, ..., times R_K; the queries' rows go to ``q_out`` (contiguous), the key's is
-    returned."""
+def _rotate_queries(q_ptr, stride_qh, q_out, r_ptr, blocks, D: tl.constexpr, G_Q: tl.constexpr,
+                    BLOCK_Q: tl.constexpr, FP32_DOT: tl.constexpr, CHUNK: tl.constexpr = 64):
+    """A GQA group's ``G_Q`` query rows (at ``q_ptr``, ``stride_qh`` apart) times R_K on the tensor cores (fp32 sums
+    of exact products, rounded once), stored contiguous at ``q_out``. ``blocks``: R as :func:`_rotation` loaded it
+    ahead (R comes from DRAM: the weights evict it from L2); else (D = 256) CHUNK rows at a time."""
     cols = tl.arange(0, D)
     rows = tl.arange(0, BLOCK_Q)
-    is_q = (rows >= 1) & (rows <= G_Q)
+    is_q = rows < G_Q
     acc = tl.zeros([BLOCK_Q, D], tl.float32)
     for i in tl.static_range(0, D, CHUNK):
         inner = i + tl.arange(0, CHUNK)
-        k = tl.load(x_ptr + rows[:, None] * 0 + inner[None, :], mask=rows[:, None] == 0, other=0.0)
-        q = tl.load(q_ptr + (rows[:, None] - 1) * stride_qh + inner[None, :], mask=is_q[:, None], other=0.0)
+        q = tl.load(q_ptr + rows[:, None] * stride_qh + inner[None, :], mask=is_q[:, None], other=0.0)
         if len(blocks) > 0:
             r = blocks[i // CHUNK]
         else:
             r = tl.load(r_ptr + inner[:, None] * D + cols[None, :])
-        acc = dot(tl.where(rows[:, None] == 0, k, q), r, acc, FP32_DOT)
-    tl.store(q_out + (rows[:, None] - 1) * D + cols[None, :], to_nearest_even(acc, q_out.dtype.element_ty),
+        acc = dot(q, r, acc, FP32_DOT)
+    tl.store(q_out + rows[:, None] * D + cols[None, :], to_nearest_even(acc, q_out.dtype.element_ty),
              mask=is_q[:, None])
-    return to_nearest_even(tl.sum(tl.where(rows[:, None] == 0, acc, 0.0), axis=0), x_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -156,10 +141,10 @@ def _append_side(
     SCALE_DT: tl.constexpr, ROTATE: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr, G_Q: tl.constexpr,
     BLOCK_Q: tl.constexpr, FLAG_SHIFT: tl.constexpr,
 ):
-    """One side (K or V) of the token of (batch, head) ``tl.program_id(0)``: rotated (K with its GQA group's G_Q
-    query rows), stored into the sink or the ring, and, where the window is full, the side's FLUSH oldest ring rows
-    demoted into its history; the side's flags or-ed into ``flags[0]`` at bit FLAG_SHIFT."""
-    rot = _rotation(rot_ptr, D, ROTATE)
+    """One side (K or V) of the token of (batch, head) ``tl.program_id(0)``: stored into the sink or the ring, and,
+    where the window is full, the side's FLUSH oldest ring rows demoted (rotated where ROTATE) into its history; the
+    side's flags or-ed into ``flags[0]`` at bit FLAG_SHIFT. G_Q > 0 (K): the GQA group's query rows are rotated too."""
+    rot = _rotation(rot_ptr, D, ROTATE and G_Q > 0)
     bh = tl.program_id(0)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
@@ -172,12 +157,11 @@ def _append_side(
     n_hist = tl.load(counts_ptr + 1)
     n_rec = tl.load(counts_ptr + 2)
     start = tl.load(counts_ptr + 3)
-    x_row = x_ptr + b * stride_nb + h * stride_nh
-    if G_Q > 0:  # the GQA group's query rows, rotated by R_K in the same dot (q · R_K: the decode's stage 0)
-        x = _key_and_queries(x_row, q_ptr + b * stride_qb + h * G_Q * stride_qh, stride_qh,
-                             q_out_ptr + (b * H + h) * G_Q * D, rot_ptr, rot, D, G_Q, BLOCK_Q, FP32_DOT)
-    else:
-        x = _token(x_row, rot_ptr, rot, D, ROTATE, FP32_DOT)
+    cols = tl.arange(0, D)
+    x = tl.load(x_ptr + b * stride_nb + h * stride_nh + cols)
+    if G_Q > 0:  # the GQA group's query rows times R_K (the decode's stage 0)
+        _rotate_queries(q_ptr + b * stride_qb + h * G_Q * stride_qh, stride_qh, q_out_ptr + (b * H + h) * G_Q * D,
+                        rot_ptr, rot, D, G_Q, BLOCK_Q, FP32_DOT)
     # the counts after this token (as the branches below store it); the last program to arrive writes them, and
     # flags a full cache (the token is then not stored)
     room = n_sink + n_hist + n_rec < max_len
@@ -197,13 +181,13 @@ def _append_side(
         tl.store(flag_ptr + 1, 0)
         if not room:
             tl.atomic_or(flag_ptr, FULL)
-    cols = tl.arange(0, D)
     if to_sink:
         tl.store(sink_ptr + b * stride_sb + h * stride_sh + n_sink * stride_sn + cols, x)
     elif to_recent:
         if demoted > 0:
             mu = mu_ptr + b * stride_mu_b + h * stride_mu_h
-            rows, centers = _ring_rows(ring, stride_rn, start, mu, n_hist, CAP, FLUSH, BLOCK_F, CENTERED, D, BITS)
+            rows, centers = _ring_rows(ring, stride_rn, start, mu, n_hist, rot_ptr, CAP, FLUSH, BLOCK_F, CENTERED, D,
+                                       BITS, ROTATE, FP32_DOT)
             meta = b * stride_zb + h * stride_zh
             flag = _demote_rows(rows, centers, codes_ptr + b * stride_cb + h * stride_ch, scale_ptr + meta,
                                 zero_ptr + meta, stride_cn, stride_zn, n_hist, mu, tiny, FLUSH, BLOCK_F, CENTERED,
@@ -230,7 +214,7 @@ def _append_token_kernel(
     G_Q: tl.constexpr, BLOCK_Q: tl.constexpr,
 ):
     # grid (B·H, 2): a program per (batch, KV head) and side, K (with the query rows) or V, so that the two sides'
-    # rotations and demotions run side by side, of 8 warps (the demotion's clip rounds). PDL: launched early, a
+    # demotions run side by side, of 8 warps (the demotion's clip rounds). PDL: launched early, a
     # program loads its (constant) rotation while the kernel before runs, and asks L2 for the ring rows a demotion
     # would take by the counts it finds then (a crop may change them until the wait); then it waits for that
     # kernel's K and V. The kernels after it launch when it exits, as they read what it writes (some before their
@@ -252,8 +236,8 @@ def _append_token_kernel(
 def _launch(key, value, key_rotation, value_rotation, windows, history, center, counts, flags, max_len, sink_tokens,
             limit, flush, key_bits, value_bits, group, k_clip_index, v_clip_index, query=None) -> torch.Tensor | None:
     """The append kernel over a PackedKV's ``windows``, ``history`` and ``centers`` lists (the operators'
-    arguments); with
-    ``query [B, Hq, 1, D]`` (and a ``key_rotation``) it also returns ``query @ key_rotation``, contiguous."""
+    arguments); with ``query [B, Hq, 1, D]`` (and a ``key_rotation``) it also returns ``query @ key_rotation``,
+    contiguous."""
     batch, heads, _, d = key.shape
     key, value = key.contiguous(), value.contiguous()
     sink_k, sink_v, rec_k, rec_v = windows
@@ -276,11 +260,11 @@ def _launch(key, value, key_rotation, value_rotation, windows, history, center, 
             q, *q.stride()[:2], q_out,
             counts, flags, torch.finfo(ks.dtype).tiny, heads, max_len,
             SINK=sink_tokens, LIMIT=limit, CAP=rec_k.shape[2], FLUSH=flush,
-            BLOCK_F=triton.next_power_of_2(flush), CENTERED=bool(center),
+            BLOCK_F=max(16, triton.next_power_of_2(flush)), CENTERED=bool(center),
             K_CLIP_INDEX=k_clip_index, V_CLIP_INDEX=v_clip_index, D=d, GROUP=group, K_BITS=key_bits, V_BITS=value_bits,
             SCALE_DT=TL_DTYPES[ks.dtype], ROTATE_K=key_rotation is not None, ROTATE_V=value_rotation is not None,
             FP32_DOT=key.dtype == torch.bfloat16 and interpreting, PDL=pdl,
-            G_Q=group_q, BLOCK_Q=max(16, triton.next_power_of_2(group_q + 1)), num_warps=8, launch_pdl=pdl,
+            G_Q=group_q, BLOCK_Q=max(16, triton.next_power_of_2(group_q)), num_warps=8, launch_pdl=pdl,
         )
     return None if query is None else q_out
 
@@ -309,8 +293,9 @@ def append_token(
     k_clip_index: int,
     v_clip_index: int,
 ) -> None:
-    """Store one token's K and V ``[B, H, 1, D]`` (the model dtype), times their rotations ``[D, D]`` (the model dtype;
-    None: stored as given), into a PackedKV's ``windows``, ``history`` and ``centers``, and advance the counts int32
+    """Store one token's K and V ``[B, H, 1, D]`` (the model dtype) into a PackedKV's ``windows``, ``history`` and
+    ``centers`` (rows demoted to the history times their rotations ``[D, D]``, the model dtype; None: as they are),
+    and advance the counts int32
     ``[8]`` (sink, history, recent, ring start; then the same before this step); ``flags`` int32 ``[2]``: the error
     flags and the kernel's arrival count (zero between calls). An operator that torch.compile traces and CUDA graphs
     capture."""
@@ -347,7 +332,7 @@ def append_token_rotating_query(
     v_clip_index: int,
 ) -> torch.Tensor:
     """:func:`append_token`, and the step's query ``[B, Hq, 1, D]`` times ``key_rotation``, returned contiguous: each
-    program's GQA group of query rows shares the key's dot (the decode then runs no stage 0)."""
+    K program rotates its GQA group's query rows (the decode then runs no stage 0)."""
     return _launch(key, value, key_rotation, value_rotation, windows, history, center, counts, flags, max_len,
                    sink_tokens, limit, flush, key_bits, value_bits, group, k_clip_index, v_clip_index, query=query)
 
@@ -362,15 +347,15 @@ def append(packed: PackedKV, key: torch.Tensor, value: torch.Tensor, *, flags: t
            sink_tokens: int, limit: int, flush: int, k_clip: float, v_clip: float,
            key_rotation: torch.Tensor | None = None, value_rotation: torch.Tensor | None = None,
            query: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Rotate one token's K and V ``[B, H, 1, D]`` (the model dtype), store them into ``packed`` (device counts
-    ``[8]``) and advance its counts, on the device.
+    """Store one token's K and V ``[B, H, 1, D]`` (the model dtype) into ``packed`` (device counts ``[8]``), demoting
+    the window's oldest rows, rotated, where it is full, and advance its counts, on the device.
 
     Args:
         flags: int32 ``[2]``: the error word and the kernel's arrival count (zero between calls).
         max_len: tokens the storage takes in all (a full cache flags ``FULL`` and stores nothing).
         sink_tokens, limit, flush: sink size, most recent-window tokens, tokens demoted at a time.
         k_clip, v_clip: clip ratios of the demoted rows (1.0: none).
-        key_rotation, value_rotation: ``[D, D]`` in the model dtype, or None (stored as given).
+        key_rotation, value_rotation: the history's bases ``[D, D]`` in the model dtype, or None (identity).
         query: the step's ``[B, Hq, 1, D]``, rotated by ``key_rotation`` in the same kernel where both are given.
     Returns:
         the rotated query (contiguous), or None without a query or a key rotation.

@@ -13,18 +13,19 @@ from ..packed import PackedKV
 def attend(module: torch.nn.Module, query: torch.Tensor, packed: PackedKV, new_key: torch.Tensor,
            new_value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None,
            fill=None) -> torch.Tensor:
-    """Attention of rotated queries over ``sink ‖ dequantized history ‖ recent``.
+    """Attention of queries over ``sink ‖ dequantized history ‖ recent``, all in the model's basis (the history
+    rotated back): where no token has reached the history, this is SDPA over the model's own K and V.
 
     Args:
         module: the attention module (SDPA reads its GQA grouping and causality from it).
-        query: rotated queries ``[B, Hq, q, D]`` in the model dtype.
+        query: queries ``[B, Hq, q, D]`` in the model dtype, as the model produced them.
         packed: the layer's storage, which already holds the ``q`` newest tokens; they are read at full precision
             from ``new_key``/``new_value`` ``[B, H, q, D]`` instead (the current chunk is attended unquantized, as
             in the OSCAR reference).
         attention_mask: bool ``[B, 1, q, >= T]`` (True = attend) or None (causal, aligned bottom-right).
         fill: the history fill of :func:`materialize` (None: torch; the Triton backend passes its dequantize kernel).
     Returns:
-        ``[B, q, Hq, D]`` in the rotated V basis.
+        ``[B, q, Hq, D]``.
     """
     past = sum(packed.lengths()[:3]) - new_key.shape[2]
     k, v = (materialize(packed, side, past, new=new, fill=fill)

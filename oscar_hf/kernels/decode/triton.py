@@ -2,12 +2,15 @@
 newest ones (assisted decoding's verify step, causal among them).
 Twin: :func:`oscar_hf.kernels.decode.reference.attend`.
 
-Stage 0 (:func:`rotate_query`, only where q comes unrotated): q times R_K. Stage 1 (grid ``B·H × splits``): a program
+The windows hold K and V as the model produced them and the history holds them rotated, so the window parts attend
+with q and the history parts with ``q·R_K``, and the history's share of the output is in the rotated V basis.
+Stage 0 (:func:`rotate_query`, where no rotated q is given): q times R_K. Stage 1 (grid ``B·H × splits``): a program
 serves one KV head's whole GQA group over one part of the sequence, with a one-pass online softmax in base 2, and writes
 a normalised partial output and its log-sum-exp; history programs read packed codes, sink/recent programs model-dtype
 rows (the recent window a ring buffer). Stage 2 (grid ``B·Hq·q × D/32``) merges the parts by log-sum-exp and adds the
-centers' terms (``q·μ_K`` on the history parts' lse, ``μ_V`` times their share of the weight). On sm_90 every stage is
-launched early (programmatic dependent launch), waiting for the kernel before it.
+centers' terms (``q·R_K·μ_K`` on the history parts' lse, ``μ_V`` times their share of the weight); with a V rotation
+it writes the windows' and the history's shares apart, and the output is ``o_windows + o_history·R_Vᵀ`` (one GEMM).
+On sm_90 every stage is launched early (programmatic dependent launch), waiting for the kernel before it.
 
 History tiles put the tokens on the tensor cores' big dimension and read codes as halfwords: ``(h >> shift) & mask |
 magic`` read as bf16 (fp16) is ``M + c·f`` (M = 128, or 1024 for fp16), so the dots need no int-to-float conversion;
@@ -537,7 +540,7 @@ def _attend_dense(
 # Sequence-dependent ints are not specialized (on == 1 / divisibility by 16): each new combination would compile.
 @triton.jit(do_not_specialize=["stride_mb", "hist_splits", "sink_splits", "total_splits", "rec_cap"])
 def _decode_stage1_kernel(
-    q_ptr, stride_qb, stride_qh, stride_qt,
+    q_ptr, stride_qb, stride_qh, stride_qt, qr_ptr, stride_qrb, stride_qrh, stride_qrt,
     sk_ptr, sv_ptr, stride_sink_b, stride_sink_h, stride_sink_n,
     rk_ptr, rv_ptr, stride_rec_b, stride_rec_h, stride_rec_n,
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
@@ -554,7 +557,8 @@ def _decode_stage1_kernel(
     NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, PAIRED: tl.constexpr, WINDOW_TILES: tl.constexpr,
 ):
     """Query row ``c = r·Q_LEN + t`` of a program is query head ``h·G_Q + r`` at query token ``t``; its partial
-    output and lse go to row ``(b·Hq + h·G_Q + r)·Q_LEN + t``."""
+    output and lse go to row ``(b·Hq + h·G_Q + r)·Q_LEN + t``. Window programs read q (``q_ptr``), history programs
+    q·R_K (``qr_ptr``)."""
     W_K: tl.constexpr = D * K_BITS // 8  # bytes per code row
     W_V: tl.constexpr = D * V_BITS // 8
     BYTES_K: tl.constexpr = W_K < 32 and not PAIRED  # rows narrower than one MMA K in halfwords: pairs or bytes
@@ -581,7 +585,8 @@ def _decode_stage1_kernel(
         cols = tl.arange(0, BLOCK_G)
         heads = cols // 2 if PAIRED else cols  # PAIRED: two columns per query row, one per token of a pair
         keep = heads < G_Q * Q_LEN
-        q_cols = q_head + (heads // Q_LEN) * stride_qh + (heads % Q_LEN) * stride_qt
+        q_cols = (qr_ptr + b * stride_qrb + h * G_Q * stride_qrh + (heads // Q_LEN) * stride_qrh
+                  + (heads % Q_LEN) * stride_qrt)
         k_col = tl.arange(0, HW_K)
         live = keep[None, :]
         if PAIRED:  # block-diagonal: a pair's second token's halfwords for the odd columns, its first's for the even
@@ -662,15 +667,16 @@ def _window_split(
 
 @triton.jit(do_not_specialize=["total_splits", "hist_from"])
 def _decode_stage2_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr, total_splits, hist_from, q_ptr, stride_qb, stride_qh, stride_qt,
+    part_o_ptr, part_lse_ptr, out_ptr, out_hist_ptr, total_splits, hist_from, q_ptr, stride_qb, stride_qh, stride_qt,
     mu_k_ptr, mu_v_ptr, stride_mu_b, stride_mu_h, HQ, qk_scale,
     G_Q: tl.constexpr, Q_LEN: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    CENTERED: tl.constexpr, PDL: tl.constexpr,
+    CENTERED: tl.constexpr, APART: tl.constexpr, PDL: tl.constexpr,
 ):
     """Merge the splits of output row ``(b·Hq + head)·Q_LEN + t`` by log-sum-exp over BLOCK_D output channels (grid
     ``B·Hq·Q_LEN × D/BLOCK_D``), BLOCK_S splits per step with an online max (one step for up to 256 splits: each step
     waits on its loads). Rows with no valid key give 0. CENTERED: the history splits (from ``hist_from``) get
-    ``q·μ_K`` on their lse, and the output ``μ_V`` times their share of the weight."""
+    ``q·μ_K`` (q: the rotated query) on their lse, and the output ``μ_V`` times their share of the weight. APART: the
+    history splits' share goes to ``out_hist`` and the windows' to ``out`` (both over the whole weight)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     if CENTERED:  # independent of stage 1: done before waiting on it
@@ -688,26 +694,36 @@ def _decode_stage2_kernel(
     den = 0.0
     hist_den = 0.0
     acc = tl.zeros([BLOCK_D], tl.float32)
+    hist_acc = tl.zeros([BLOCK_D], tl.float32)
     for start in range(0, total_splits, BLOCK_S):
         s = start + tl.arange(0, BLOCK_S)
         live = s < total_splits
+        in_hist = s >= hist_from
         lse = tl.load(part_lse_ptr + row * total_splits + s, mask=live, other=float("-inf"))
         if CENTERED:
-            lse = tl.where(s >= hist_from, lse + q_mu, lse)
+            lse = tl.where(in_hist, lse + q_mu, lse)
         o = tl.load(part_o_ptr + (row * total_splits + s)[:, None] * D + cols[None, :], mask=live[:, None], other=0.0)
         m_new = tl.maximum(m, tl.max(lse, axis=0))
         alpha = tl.exp2(m - m_new)
         w = tl.exp2(lse - m_new)
         den = den * alpha + tl.sum(w, axis=0)
         if CENTERED:
-            hist_den = hist_den * alpha + tl.sum(tl.where(s >= hist_from, w, 0.0), axis=0)
-        acc = acc * alpha + tl.sum(w[:, None] * o, axis=0)
+            hist_den = hist_den * alpha + tl.sum(tl.where(in_hist, w, 0.0), axis=0)
+        if APART:
+            acc = acc * alpha + tl.sum(tl.where(in_hist, 0.0, w)[:, None] * o, axis=0)
+            hist_acc = hist_acc * alpha + tl.sum(tl.where(in_hist, w, 0.0)[:, None] * o, axis=0)
+        else:
+            acc = acc * alpha + tl.sum(w[:, None] * o, axis=0)
         m = m_new
     if CENTERED:
-        acc += hist_den * mu_v
-    out = acc / tl.where(den > 0, den, 1.0)
-    tl.store(out_ptr + row * D + cols, out.to(out_ptr.dtype.element_ty))
-
+        if APART:
+            hist_acc += hist_den * mu_v
+        else:
+            acc += hist_den * mu_v
+    inv_den = 1.0 / tl.where(den > 0, den, 1.0)
+    tl.store(out_ptr + row * D + cols, (acc * inv_den).to(out_ptr.dtype.element_ty))
+    if APART:
+        tl.store(out_hist_ptr + row * D + cols, (hist_acc * inv_den).to(out_hist_ptr.dtype.element_ty))
 
 
 def _storage(t: torch.Tensor) -> torch.Tensor:
@@ -716,10 +732,11 @@ def _storage(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(query, windows, history, center, attention_mask, counts, scaling, key_bits, value_bits, group, splits,
-            config=None, key_rotation=None):
+            config=None, key_rotation=None, value_rotation=None, rotated_query=None):
     """Both stages over a PackedKV's ``windows``, ``history`` and ``centers`` lists, the counts int32 ``[4+]`` (sink,
-    history, recent, ring start) and the ``splits`` of :func:`launch.plan`, after stage 0 (:func:`rotate_query`) where
-    a ``key_rotation`` is given; see :func:`decode`."""
+    history, recent, ring start) and the ``splits`` of :func:`launch.plan`, with the history's rotations (None:
+    identity); ``rotated_query`` is ``query @ key_rotation`` where the caller has it (else stage 0 computes it). See
+    :func:`decode`."""
     batch, hq, q_len, d = query.shape
     sink_k, sink_v, rec_k, rec_v = windows
     heads = sink_k.shape[1]
@@ -730,8 +747,10 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
     interpreting = triton.knobs.runtime.interpret
     pdl = cfg.pdl and not interpreting and has_pdl(query.device)
     query = query if query.stride(-1) == 1 else query.contiguous()
-    if key_rotation is not None:
-        query = rotate_query(query, key_rotation, pdl)
+    if rotated_query is None:
+        rotated_query = query if key_rotation is None else rotate_query(query, key_rotation, pdl)
+    elif rotated_query.stride(-1) != 1:
+        rotated_query = rotated_query.contiguous()
     hist_splits, sink_splits, total, window_tiles = splits
     if attention_mask is None:  # a pointer never read: uninitialised, so that no fill kernel delays stage 1
         mask, mask_strides = query.new_empty(1, dtype=torch.uint8), (0, 0, 0)
@@ -741,6 +760,7 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
     part_o = torch.empty(batch * hq * q_len, total, d, dtype=torch.float32, device=query.device)
     part_lse = torch.empty(batch * hq * q_len, total, dtype=torch.float32, device=query.device)
     out = torch.empty(batch, hq, q_len, d, dtype=query.dtype, device=query.device)
+    out_hist = out if value_rotation is None else torch.empty_like(out)
     scaling = d**-0.5 if scaling is None else scaling
     # code rows narrower than 32 bytes (D = 64 at 2 bits): two tokens' per tile row where that leaves at most 16
     # columns (each query row twice), else bytes
@@ -757,7 +777,7 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
     mu = (*center, *center[0].stride()[:2]) if center else (mask, mask, 0, 0)
     with on_device_of(query):
         _decode_stage1_kernel[(batch * heads, total)](
-            query, *query.stride()[:3],
+            query, *query.stride()[:3], rotated_query, *rotated_query.stride()[:3],
             _storage(sink_k), _storage(sink_v), *sink_k.stride()[:3],
             _storage(rec_k), _storage(rec_v), *rec_k.stride()[:3],
             *[_storage(t) for t in history], *hist_strides,
@@ -777,41 +797,49 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
             **({"maxnreg": cfg.max_registers} if cfg.max_registers and not interpreting else {}),
         )
         _decode_stage2_kernel[(batch * hq * q_len, d // 32)](
-            part_o, part_lse, out, total, total - hist_splits, query, *query.stride()[:3], *mu, hq, scaling * LOG2E,
+            part_o, part_lse, out, out_hist, total, total - hist_splits, rotated_query, *rotated_query.stride()[:3],
+            *mu, hq, scaling * LOG2E,
             G_Q=group_q, Q_LEN=q_len, D=d, BLOCK_D=32, BLOCK_S=min(256, triton.next_power_of_2(total)),
-            CENTERED=bool(center), PDL=pdl, num_warps=4, launch_pdl=pdl,
+            CENTERED=bool(center), APART=value_rotation is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
         )
+    if value_rotation is not None:  # o_windows + o_history · R_Vᵀ, one rounding of the sum
+        out = torch.addmm(out.view(-1, d), out_hist.view(-1, d), value_rotation.to(out.dtype).mT).view(out.shape)
     return out.transpose(1, 2)
 
 
 def decode(query: torch.Tensor, packed: PackedKV, attention_mask: torch.Tensor | None, scaling: float | None,
-           config: DecodeConfig | None = None) -> torch.Tensor:
-    """Attention of rotated query tokens over ``packed``'s ``sink ‖ history ‖ recent``: one (a decode step) or the
-    ``q`` newest tokens (a verify step, a small prefill chunk), causal among them.
+           config: DecodeConfig | None = None, rotated_query: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of query tokens over ``packed``'s ``sink ‖ history ‖ recent``: one (a decode step) or the ``q``
+    newest tokens (a verify step, a small prefill chunk), causal among them.
 
     Args:
-        query: rotated queries ``[B, Hq, q, D]``, bf16 or fp16 as the storage; ``Hq = g·H`` (query head ``h·g + r``
-            reads KV head ``h``); D in 64, 128, 256; the q tokens are the newest, still in the recent window.
+        query: queries ``[B, Hq, q, D]`` as the model produced them, bf16 or fp16 as the storage; ``Hq = g·H``
+            (query head ``h·g + r`` reads KV head ``h``); D in 64, 128, 256; the q tokens are the newest, still in
+            the recent window.
         packed: per-token storage (:func:`launch.supports_call`). Device counts are read by the kernel, with a plan
             for the capacities (no host synchronisation); host counts plan for the lengths.
         attention_mask: bool ``[B or 1, 1, 1 or q, >= T]`` (True = attend; key ``t`` at column ``t``), or None.
         scaling: logit scale (None: ``D**-0.5``).
         config: launch parameters (None: :func:`launch.default_config`).
+        rotated_query: ``query @ packed.key_rotation`` where the caller has it (the append kernel's), else None.
     Returns:
-        ``[B, q, Hq, D]`` in the query dtype, in the rotated V basis.
+        ``[B, q, Hq, D]`` in the query dtype.
     """
     if isinstance(packed.counts, torch.Tensor):
         splits = plan(packed, query.shape[0], config=config, query_len=query.shape[2])
     else:
         splits = plan(packed, query.shape[0], packed.lengths()[:3], config, query.shape[2])
     return _launch(query, packed.windows, packed.history, packed.centers, attention_mask, packed.device_counts(),
-                   scaling, packed.key_bits, packed.value_bits, packed.group_size, splits, config)
+                   scaling, packed.key_bits, packed.value_bits, packed.group_size, splits, config,
+                   packed.key_rotation, packed.value_rotation, rotated_query)
 
 
 @torch.library.custom_op("oscar_hf::decode_attention", mutates_args=())
 def decode_attention(
     query: torch.Tensor,
+    rotated_query: torch.Tensor | None,
     key_rotation: torch.Tensor | None,
+    value_rotation: torch.Tensor | None,
     windows: list[torch.Tensor],
     history: list[torch.Tensor],
     center: list[torch.Tensor],
@@ -824,23 +852,24 @@ def decode_attention(
     splits: list[int],
 ) -> torch.Tensor:
     """:func:`decode` over device counts as an operator that torch.compile traces without a graph break and CUDA
-    graphs capture, q rotated by ``key_rotation`` first unless None. Arguments as :func:`_launch`'s."""
+    graphs capture. Arguments as :func:`_launch`'s."""
     return _launch(query, windows, history, center, attention_mask, counts, scaling, key_bits, value_bits, group,
-                   splits, key_rotation=key_rotation)
+                   splits, key_rotation=key_rotation, value_rotation=value_rotation, rotated_query=rotated_query)
 
 
 @decode_attention.register_fake
-def _(query, key_rotation, windows, history, center, attention_mask, counts, scaling, key_bits, value_bits, group,
-      splits):
+def _(query, rotated_query, key_rotation, value_rotation, windows, history, center, attention_mask, counts, scaling,
+      key_bits, value_bits, group, splits):
     batch, hq, _, d = query.shape
     return query.new_empty(batch, 1, hq, d)
 
 
 def decode_static(query: torch.Tensor, packed: PackedKV, attention_mask: torch.Tensor | None, scaling: float | None,
-                  splits: list[int], key_rotation: torch.Tensor | None = None) -> torch.Tensor:
+                  splits: list[int], rotated_query: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`decode` of one query token over storage with device counts, as the operator, with a plan made once
-    (for the capacities); q is rotated by ``key_rotation`` first unless None."""
+    (for the capacities)."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    return torch.ops.oscar_hf.decode_attention(query, key_rotation, packed.windows, packed.history, packed.centers,
-                                               attention_mask, packed.counts, scaling, packed.key_bits,
-                                               packed.value_bits, packed.group_size, splits)
+    return torch.ops.oscar_hf.decode_attention(query, rotated_query, packed.key_rotation, packed.value_rotation,
+                                               packed.windows, packed.history, packed.centers, attention_mask,
+                                               packed.counts, scaling, packed.key_bits, packed.value_bits,
+                                               packed.group_size, splits)

@@ -1,5 +1,5 @@
-"""Torch reads of a PackedKV: the history dequantized, and the whole stored sequence in the model dtype (the twin of
-the dequantize kernel, and what the torch attention reads)."""
+"""Torch reads of a PackedKV: the history dequantized (the twin of the dequantize kernel), and the whole sequence in
+the model's basis and dtype (what the torch attention reads)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from ..packed import PackedKV
 
 
 def dequantize_history(packed: PackedKV, side: str, stop: int, start: int = 0) -> torch.Tensor:
-    """History tokens ``[start, stop)`` of ``side`` ("key" or "value"), dequantized, center added back: fp32
-    ``[B, H, stop - start, D]``. Per-channel K reads whole token groups: ``start`` and ``stop`` are multiples of
-    ``key_token_group`` there."""
+    """History tokens ``[start, stop)`` of ``side`` ("key" or "value"), dequantized, center added back, in the
+    history's (rotated) basis: fp32 ``[B, H, stop - start, D]``. Per-channel K reads whole token groups: ``start``
+    and ``stop`` are multiples of ``key_token_group`` there."""
     _, _, rows, center, bits = packed.side(side)
     per_channel = side == "key" and not packed.per_token_keys
     group = packed.key_token_group if per_channel else 1
@@ -23,8 +23,9 @@ def dequantize_history(packed: PackedKV, side: str, stop: int, start: int = 0) -
 
 
 def fill_history(packed: PackedKV, side: str, out: torch.Tensor) -> None:
-    """Write the first ``out.shape[2]`` history tokens of ``side``, dequantized, into ``out`` (a ``[B, H, n, D]``
-    view of a buffer): the dequantize kernel's contract, in torch (per-channel K dequantizes whole groups)."""
+    """Write the first ``out.shape[2]`` history tokens of ``side``, dequantized (rotated basis), into ``out`` (a
+    ``[B, H, n, D]`` view of a buffer): the dequantize kernel's contract, in torch (per-channel K dequantizes whole
+    groups)."""
     n = out.shape[2]
     group = packed.key_token_group if side == "key" and not packed.per_token_keys else 1
     stop = -(-n // group) * group
@@ -41,12 +42,17 @@ def recent_rows(packed: PackedKV, side: str, n: int) -> torch.Tensor:
     return recent.index_select(2, rows)
 
 
+def unrotate(x: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
+    """fp32 rows ``x [..., D]`` in a rotated basis, back in the model's: ``x @ Rᵀ`` in fp32 (x itself for None)."""
+    return x if rotation is None else x @ rotation.float().mT
+
+
 def materialize(packed: PackedKV, side: str, stop: int | None = None, new: torch.Tensor | None = None,
                 dtype: torch.dtype | None = None, fill=None) -> torch.Tensor:
-    """The stored sequence ``sink ‖ dequantized history ‖ recent`` of ``side``, rotated: its first ``stop`` tokens
-    (default all), then ``new [B, H, q, D]`` if given, as one ``[B, H, stop + q, D]`` buffer in ``dtype`` (default
-    the storage's). ``fill(packed, side, out)`` writes the history part (default :func:`fill_history`; the Triton
-    backend passes the dequantize kernel)."""
+    """The sequence ``sink ‖ dequantized history ‖ recent`` of ``side`` in the model's basis (the history rotated
+    back, in fp32, rounded once): its first ``stop`` tokens (default all), then ``new [B, H, q, D]`` if given, as
+    one ``[B, H, stop + q, D]`` buffer in ``dtype`` (default the storage's). ``fill(packed, side, out)`` writes the
+    dequantized history (default :func:`fill_history`; the Triton backend passes the dequantize kernel)."""
     n_sink, n_history, n_recent, _ = packed.lengths()
     total = n_sink + n_history + n_recent
     stop = total if stop is None else min(stop, total)
@@ -58,7 +64,14 @@ def materialize(packed: PackedKV, side: str, stop: int | None = None, new: torch
     out = torch.empty(batch, heads, stop + extra, dim, dtype=dtype or packed.dtype, device=packed.device)
     out[:, :, :n_sink] = sink[:, :, :n_sink]
     if n_hist:
-        (fill or fill_history)(packed, side, out[:, :, n_sink : n_sink + n_hist])
+        rotation = packed.rotation(side)
+        history = out[:, :, n_sink : n_sink + n_hist]
+        if rotation is None:
+            (fill or fill_history)(packed, side, history)
+        else:
+            rotated = torch.empty(history.shape, dtype=torch.float32, device=out.device)
+            (fill or fill_history)(packed, side, rotated)
+            history.copy_(unrotate(rotated, rotation))
     out[:, :, n_sink + n_hist : stop] = recent_rows(packed, side, stop - n_sink - n_hist)
     if new is not None:
         out[:, :, stop:] = new
