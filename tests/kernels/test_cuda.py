@@ -184,6 +184,15 @@ def test_layers_split_over_two_gpus_generate_like_one(tmp_path):
     torch.testing.assert_close(runs["two"][0][:, :3], runs["one"][0][:, :3], rtol=0, atol=2e-2)
 
 
+def assert_stages_then_gemm(prof, stages: tuple[str, ...]) -> None:
+    """The profiled GPU work is ``stages`` in order, then only the R_Vᵀ GEMM's kernels (cuBLAS may split it)."""
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    work = [e.name for e in sorted(events, key=lambda e: e.time_range.start)]
+    assert len(work) > len(stages) and all(stage in name for stage, name in zip(stages, work)), work
+    assert not any(word in name.lower() for name in work[len(stages):] for word in ("fill", "copy", "elementwise",
+                                                                                    "triton")), work
+
+
 @pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "mask"])
 @pytest.mark.parametrize("sink_tokens", [4, 0])
 def test_a_static_layers_decode_launches_only_its_three_stages(masked, sink_tokens):
@@ -207,9 +216,7 @@ def test_a_static_layers_decode_launches_only_its_three_stages(masked, sink_toke
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         decode_static(query, layer.packed(), mask, None, layer.decode_splits)
         torch.cuda.synchronize()
-    work = sorted(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    assert len(work) == 4, work
-    assert [any(stage in name for name in work) for stage in ("rotate_query", "stage1", "stage2")] == [True] * 3, work
+    assert_stages_then_gemm(prof, ("rotate_query", "stage1", "stage2"))
 
 
 def test_a_step_left_to_the_attention_launches_the_append_and_two_stages():
@@ -236,6 +243,4 @@ def test_a_step_left_to_the_attention_launches_the_append_and_two_stages():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         step(steps[1])
         torch.cuda.synchronize()
-    work = sorted(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    assert len(work) == 4, work
-    assert [any(stage in name for name in work) for stage in ("append_token", "stage1", "stage2")] == [True] * 3, work
+    assert_stages_then_gemm(prof, ("append_token", "stage1", "stage2"))
