@@ -13,8 +13,7 @@ from transformers.masking_utils import sdpa_mask
 
 from .cache import ATTN_IMPLEMENTATION, OscarKV
 from .kernels import attention_backend
-
-UNSUPPORTED_KWARGS = {"softcap": "attention logit soft-capping", "s_aux": "learned attention sinks"}
+from .kernels.decode.reference import dense_attention
 
 
 def oscar_attention_forward(
@@ -31,10 +30,11 @@ def oscar_attention_forward(
 
     K/V that are plain tensors (no cache, another cache, sliding-window layers) go to sdpa; OscarKV handles to the
     kernel backend named by the cache's OscarConfig. A static layer's one-token steps read the cache on the device
-    (no graph break under torch.compile); everything else runs eagerly.
+    (no graph break under torch.compile); everything else runs eagerly. Logit soft-capping (``softcap``, Gemma-2)
+    and learned sink logits (``s_aux [Hq]``, gpt-oss) run in torch (:func:`dense_attention`).
     """
     if (isinstance(key, OscarKV) and key.layer.graph_step and query.shape[2] == 1
-            and all(kwargs.get(name) is None for name in (*UNSUPPORTED_KWARGS, "sliding_window"))
+            and all(kwargs.get(name) is None for name in ("softcap", "s_aux", "sliding_window"))
             and (attention_mask is None or attention_mask.dtype == torch.bool)):
         from .kernels.decode.triton import decode_static  # imported on first use (TRITON_INTERPRET)
 
@@ -46,20 +46,20 @@ def oscar_attention_forward(
 
 @torch.compiler.disable  # a graph break inside a compiled forward
 def _attend_on_host(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
     if not isinstance(key, OscarKV):
+        if softcap is not None or sinks is not None:
+            return dense_attention(module, query, key, value, attention_mask, scaling, softcap, sinks), None
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     layer = key.layer
     layer.check_flags()  # (stores a token a graph step left pending first)
-    for name, feature in UNSUPPORTED_KWARGS.items():
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"OscarQuantizedCache does not support {feature} ({name}=...)")
     if kwargs.get("sliding_window") is not None:
         raise NotImplementedError("a sliding-window attention layer reached an OSCAR (full-attention) cache layer")
     attend = attention_backend(layer.config.backend, query.device)
     out = attend(module, query, layer.packed(), key.new, value.new, attention_mask, scaling,
-                 layer.config.recent_tokens)
+                 layer.config.recent_tokens, softcap=softcap, sinks=sinks)
     return out, None
 
 

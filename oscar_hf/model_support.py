@@ -23,7 +23,6 @@ UNSUPPORTED_MODEL_TYPES = {
     "gemma4": "KV shared across layers",
     "jetmoe": "K/V reshaped after the cache update",
     "diffllama": "K/V reshaped after the cache update",
-    "gpt_oss": "learned attention sinks",
 }
 
 
@@ -88,12 +87,8 @@ def check_model_supported(model: torch.nn.Module) -> ModelShape:
         raise UnsupportedModelError(f"{name} does not route attention through transformers' AttentionInterface")
     if getattr(cfg, "kv_lora_rank", None) is not None or getattr(cfg, "q_lora_rank", None) is not None:
         raise UnsupportedModelError(f"{name}: multi-head latent attention (MLA) is not supported")
-    if getattr(cfg, "attn_logit_softcapping", None) is not None:
-        raise UnsupportedModelError(f"{name}: attention logit soft-capping is not supported")
     if getattr(cfg, "num_kv_shared_layers", 0) or getattr(cfg, "kv_sharing_modes", None) is not None:
         raise UnsupportedModelError(f"{name}: KV shared across layers is not supported")
-    if any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules()):
-        raise UnsupportedModelError(f"{name}: learned attention sinks are not supported")
     shape = ModelShape.from_config(config)
     v_head_dim = getattr(cfg, "v_head_dim", None)
     if v_head_dim is not None and v_head_dim != shape.head_dim:

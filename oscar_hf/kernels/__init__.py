@@ -17,8 +17,10 @@ __all__ = ["ATTENTION_BACKENDS", "WRITE_BACKENDS", "PackedKV", "attention_backen
            "write_backend"]
 
 
-def _torch_attend(module, query, packed: PackedKV, new_key, new_value, attention_mask, scaling, recent_tokens: int):
-    return decode_reference.attend(module, query, packed, new_key, new_value, attention_mask, scaling)
+def _torch_attend(module, query, packed: PackedKV, new_key, new_value, attention_mask, scaling, recent_tokens: int,
+                  softcap=None, sinks=None):
+    return decode_reference.attend(module, query, packed, new_key, new_value, attention_mask, scaling,
+                                   softcap=softcap, sinks=sinks)
 
 
 ATTENTION_BACKENDS = {"torch": _torch_attend}
@@ -31,14 +33,16 @@ except ImportError:
 else:
     # The Triton modules are imported on first use: the interpreter mode (TRITON_INTERPRET) is read when they are.
     def _triton_attend(module, query, packed: PackedKV, new_key, new_value, attention_mask, scaling,
-                       recent_tokens: int):
+                       recent_tokens: int, softcap=None, sinks=None):
         from .decode import launch
         from .decode.triton import decode
         from .dequantize import triton as dequantize
 
         lengths = packed.lengths()
-        if lengths[1] == 0:  # nothing quantized yet: SDPA over the model's own K and V, as the default cache
-            return decode_reference.attend(module, query, packed, new_key, new_value, attention_mask, scaling)
+        if lengths[1] == 0 or softcap is not None or sinks is not None:  # nothing quantized yet (SDPA over the
+            # model's own K and V, as the default cache), or what the kernel does not compute
+            return decode_reference.attend(module, query, packed, new_key, new_value, attention_mask, scaling,
+                                           softcap=softcap, sinks=sinks)
         if launch.supports_call(query, packed, attention_mask, recent_tokens, sum(lengths[:3])):
             return decode(query, packed, attention_mask, scaling)
         fill = dequantize.fill_history if dequantize.supports(packed) else None
@@ -64,8 +68,8 @@ def resolve(name: str, device: torch.device) -> str:
 
 
 def attention_backend(name: str, device: torch.device):
-    """``attend(module, query, packed, new_key, new_value, attention_mask, scaling, recent_tokens)`` of backend
-    ``name`` on ``device`` (see :func:`resolve`)."""
+    """``attend(module, query, packed, new_key, new_value, attention_mask, scaling, recent_tokens, softcap=None,
+    sinks=None)`` of backend ``name`` on ``device`` (see :func:`resolve`)."""
     return ATTENTION_BACKENDS[resolve(name, device)]
 
 

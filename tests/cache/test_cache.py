@@ -284,13 +284,54 @@ def test_attention_matches_a_dense_reference_over_dequantized_kv():
     assert not torch.allclose(k_hat[:, :, 2:18], keys[:, :, 2:18], atol=1e-2), "the history really is quantized"
 
 
-def test_attention_rejects_unsupported_kwargs():
+@pytest.mark.parametrize("extra", ["softcap", "s_aux"])
+def test_soft_capped_and_sink_attention_over_the_history(extra):
+    """Decode with a quantized history: the torch path's output equals dense attention over the sequence it gives
+    back (history dequantized and rotated back)."""
+    from oscar_hf.kernels.decode.reference import dense_attention
+
+    layer = make_layer(sink_tokens=2, recent_tokens=3, flush_tokens=2)
+    layer.update(rows(20, 0), rows(20, 1))
+    handle_k, handle_v = layer.update(rows(1, 3), rows(1, 4))
+    assert layer.n_history > 0
+    module = types.SimpleNamespace(num_key_value_groups=2, is_causal=True)
+    query = rows(1, 2).repeat_interleave(2, dim=1) * 4
+    value = {"softcap": 1.5, "s_aux": torch.randn(2 * H, generator=torch.Generator().manual_seed(5)) * 3}[extra]
+    out, _ = oscar_attention_forward(module, query, handle_k, handle_v, None, scaling=D**-0.5, **{extra: value})
+    want = dense_attention(module, query, layer.materialize("key"), layer.materialize("value"), None, D**-0.5,
+                           **{"softcap" if extra == "softcap" else "sinks": value})
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-6)
+    plain, _ = oscar_attention_forward(module, query, handle_k, handle_v, None, scaling=D**-0.5)
+    assert not torch.allclose(out, plain, atol=1e-3), "the extra changes the output"
+
+
+def test_attention_rejects_a_sliding_window_on_an_oscar_layer():
     layer = make_layer()
     k, v = layer.update(rows(5, 0), rows(5, 1))
     module = types.SimpleNamespace(num_key_value_groups=1, is_causal=True)
-    for kwargs in ({"softcap": 30.0}, {"s_aux": torch.zeros(3)}, {"sliding_window": 4}):
-        with pytest.raises(NotImplementedError):
-            oscar_attention_forward(module, rows(1, 2), k, v, None, **kwargs)
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        oscar_attention_forward(module, rows(1, 2), k, v, None, sliding_window=4)
+
+
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_dense_attention_equals_the_models_own_eager_attention(q_len):
+    """Soft-capped logits (Gemma-2's eager attention) and learned sink logits (gpt-oss's), GQA 2, causal over the
+    last q_len tokens, a left-padded row."""
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_eager
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager
+
+    from oscar_hf.kernels.decode.reference import dense_attention
+
+    query, key, value = rows(q_len, 0).repeat_interleave(2, 1) * 3, rows(12, 1), rows(12, 2)
+    mask = torch.ones(B, 1, q_len, 12, dtype=torch.bool).tril(12 - q_len)
+    mask[1, ..., :3] = False
+    additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    sinks = torch.randn(2 * H, generator=torch.Generator().manual_seed(3))
+    module = types.SimpleNamespace(num_key_value_groups=2, training=False, sinks=sinks, head_dim=D)
+    want, _ = gemma2_eager(module, query, key, value, additive, scaling=D**-0.5, softcap=2.0)
+    torch.testing.assert_close(dense_attention(module, query, key, value, mask, D**-0.5, softcap=2.0), want)
+    want, _ = gpt_oss_eager(module, query, key, value, additive, scaling=D**-0.5)
+    torch.testing.assert_close(dense_attention(module, query, key, value, mask, D**-0.5, sinks=sinks), want)
 
 
 def test_cache_refuses_a_model_whose_attention_is_not_oscar():

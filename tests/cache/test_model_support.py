@@ -41,11 +41,6 @@ REFUSED = {
         ),
         "latent attention",
     ),
-    "softcap-gemma2": (lambda: tiny("Gemma2Config", attn_logit_softcapping=50.0), "soft-capping"),
-    "sinks-gpt-oss": (
-        lambda: tiny("GptOssConfig", num_local_experts=4, num_experts_per_tok=2, layer_types=["full_attention"] * 2),
-        "sinks",
-    ),
     "all-sliding-mistral": (lambda: tiny("MistralConfig", sliding_window=4096), "nothing to quantize"),
 }
 
@@ -114,3 +109,43 @@ def test_cache_kwargs_names_the_argument_the_installed_transformers_takes():
             return input_ids
 
     assert cache_kwargs(Legacy(), forward_cache) == {"past_key_values": forward_cache}
+
+
+SOFTCAP_AND_SINKS = {
+    "softcap-gemma2": lambda: tiny("Gemma2Config", num_hidden_layers=3, attn_logit_softcapping=5.0, sliding_window=8,
+                                   layer_types=["sliding_attention", "full_attention", "full_attention"],
+                                   pad_token_id=0),
+    "sinks-gpt-oss": lambda: tiny("GptOssConfig", num_hidden_layers=3, num_local_experts=4, num_experts_per_tok=2,
+                                  sliding_window=8, pad_token_id=0,
+                                  layer_types=["sliding_attention", "full_attention", "full_attention"]),
+}
+
+
+@pytest.mark.parametrize("case", list(SOFTCAP_AND_SINKS))
+def test_soft_capped_and_sink_attention_is_served(case):
+    """Gemma-2's soft-capped logits and gpt-oss's learned sinks (made large, so that they matter), sliding layers
+    beside full ones, a left-padded batch: with windows that cover the sequence, greedy generation gives the default
+    cache's tokens and logits; with most of the prompt in INT2 it runs (the attention over the history is checked
+    against a dense reference in test_cache)."""
+    torch.manual_seed(0)
+    model = SOFTCAP_AND_SINKS[case]()
+    for module in model.modules():
+        if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+            torch.nn.init.normal_(module.sinks, std=2.0)
+    model.generation_config.eos_token_id = None
+    inputs = {"input_ids": torch.randint(3, VOCAB, (2, 40)), "attention_mask": torch.ones(2, 40, dtype=torch.long)}
+    inputs["attention_mask"][1, :4] = 0
+    settings = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    expected = model.generate(**inputs, **settings)
+    rotations = OscarRotations.hadamard(model.config)
+    want = torch.stack(expected.logits)
+    for overrides in ({}, {"sink_tokens": 4, "recent_tokens": 8, "flush_tokens": 2}):
+        cache = OscarQuantizedCache.from_pretrained(rotations, model=model, **overrides)
+        got = model.generate(**inputs, **cache_kwargs(model, cache), **settings)
+        logits = torch.stack(got.logits)
+        if not overrides:
+            assert torch.equal(got.sequences, expected.sequences)
+            torch.testing.assert_close(logits, want, rtol=0, atol=1e-5)
+        else:
+            assert cache.layers[1].n_history > 0 and logits.isfinite().all()
+        model.set_attn_implementation("eager")

@@ -1,5 +1,6 @@
-"""Torch attention over a PackedKV: dequantize, then SDPA. The decode kernel's twin, and the attention for every call
-the kernel does not serve (prefill chunks, fp32, per-channel K)."""
+"""Torch attention over a PackedKV: dequantize, then SDPA (or, for learned sinks and logit soft-capping, which SDPA
+lacks, :func:`dense_attention`). The decode kernel's twin, and the attention for every call the kernel does not serve
+(prefill chunks, fp32, per-channel K)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,40 @@ from ..dequantize.reference import materialize
 from ..packed import PackedKV
 
 
+def dense_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, scaling: float | None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of ``query [B, Hq, q, D]`` over ``key``/``value [B, H, T, D]`` (GQA by ``Hq / H``), with the logits
+    soft-capped (``softcap·tanh(s / softcap)``, Gemma-2) and a learned sink logit per query head (``sinks [Hq]``
+    joins each row's softmax denominator only, gpt-oss), as those models' own eager attention computes them: logits
+    in the model dtype, softmax in fp32. ``attention_mask``: bool ``[B, 1, q, >= T]`` (True = attend) or None
+    (causal, aligned bottom-right). Returns ``[B, q, Hq, D]``."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    logits = (query @ key.transpose(2, 3)) * scaling
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if attention_mask is None and q_len > 1:
+        attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
+    if attention_mask is not None:
+        attention_mask = attention_mask[..., :kv_len]
+        # the dtype's lowest value, not -inf: a row with no key to attend (left padding) stays finite, as in eager
+        low = torch.finfo(logits.dtype).min
+        logits = logits.masked_fill(~attention_mask, low) if attention_mask.dtype == torch.bool else (
+            logits + attention_mask)
+    logits = logits.float()
+    if sinks is not None:
+        sink = sinks.float().view(1, -1, 1, 1).expand(*logits.shape[:3], 1)
+        logits = torch.cat([logits, sink], dim=-1)
+    probs = torch.softmax(logits, dim=-1)[..., :kv_len].to(value.dtype)
+    return (probs @ value).transpose(1, 2)
+
+
 def attend(module: torch.nn.Module, query: torch.Tensor, packed: PackedKV, new_key: torch.Tensor,
            new_value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None,
-           fill=None) -> torch.Tensor:
+           fill=None, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of queries over ``sink ‖ dequantized history ‖ recent``, all in the model's basis (the history
     rotated back): where no token has reached the history, this is SDPA over the model's own K and V.
 
@@ -24,12 +56,15 @@ def attend(module: torch.nn.Module, query: torch.Tensor, packed: PackedKV, new_k
             in the OSCAR reference).
         attention_mask: bool ``[B, 1, q, >= T]`` (True = attend) or None (causal, aligned bottom-right).
         fill: the history fill of :func:`materialize` (None: torch; the Triton backend passes its dequantize kernel).
+        softcap, sinks: logit soft-capping and learned sink logits ``[Hq]`` (:func:`dense_attention`), or None.
     Returns:
         ``[B, q, Hq, D]``.
     """
     past = sum(packed.lengths()[:3]) - new_key.shape[2]
     k, v = (materialize(packed, side, past, new=new, fill=fill)
             for side, new in (("key", new_key), ("value", new_value)))
+    if softcap is not None or sinks is not None:
+        return dense_attention(module, query, k, v, attention_mask, scaling, softcap, sinks)
     q_len, kv_len = query.shape[2], k.shape[2]
     if attention_mask is not None:
         attention_mask = attention_mask[..., :kv_len]
