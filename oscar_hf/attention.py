@@ -31,16 +31,18 @@ def oscar_attention_forward(
     K/V that are plain tensors (no cache, another cache, sliding-window layers) go to sdpa; OscarKV handles to the
     kernel backend named by the cache's OscarConfig. A static layer's one-token steps read the cache on the device
     (no graph break under torch.compile); everything else runs eagerly. Logit soft-capping (``softcap``, Gemma-2)
-    and learned sink logits (``s_aux [Hq]``, gpt-oss) run in torch (:func:`dense_attention`).
+    and learned sink logits (``s_aux [Hq]``, gpt-oss) are applied by the decode kernel and by the torch path
+    (:func:`dense_attention`).
     """
     if (isinstance(key, OscarKV) and key.layer.graph_step and query.shape[2] == 1
-            and all(kwargs.get(name) is None for name in ("softcap", "s_aux", "sliding_window"))
+            and kwargs.get("sliding_window") is None
             and (attention_mask is None or attention_mask.dtype == torch.bool)):
         from .kernels.decode.triton import decode_static  # imported on first use (TRITON_INTERPRET)
 
         layer = key.layer
         rotated = layer.store_pending(query)  # the step's token, stored by a kernel that rotates q as well
-        return decode_static(query, layer.packed(), attention_mask, scaling, layer.decode_splits, rotated), None
+        return decode_static(query, layer.packed(), attention_mask, scaling, layer.decode_splits, rotated,
+                             kwargs.get("softcap"), kwargs.get("s_aux")), None
     return _attend_on_host(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
 
 

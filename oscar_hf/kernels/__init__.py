@@ -39,14 +39,14 @@ else:
         from .dequantize import triton as dequantize
 
         lengths = packed.lengths()
-        if lengths[1] == 0 or softcap is not None or sinks is not None:  # nothing quantized yet (SDPA over the
-            # model's own K and V, as the default cache), or what the kernel does not compute
+        if lengths[1] == 0:  # nothing quantized yet: SDPA over the model's own K and V, as the default cache
             return decode_reference.attend(module, query, packed, new_key, new_value, attention_mask, scaling,
                                            softcap=softcap, sinks=sinks)
         if launch.supports_call(query, packed, attention_mask, recent_tokens, sum(lengths[:3])):
-            return decode(query, packed, attention_mask, scaling)
+            return decode(query, packed, attention_mask, scaling, softcap=softcap, sinks=sinks)
         fill = dequantize.fill_history if dequantize.supports(packed) else None
-        return decode_reference.attend(module, query, packed, new_key, new_value, attention_mask, scaling, fill)
+        return decode_reference.attend(module, query, packed, new_key, new_value, attention_mask, scaling, fill,
+                                       softcap=softcap, sinks=sinks)
 
     def _triton_write(key, value, **kwargs):
         from .write.triton import quantize_pack_kv

@@ -439,12 +439,14 @@ def test_window_chunks_of_one_tile_where_history_programs_are_short(batch, token
     assert (layer.history.capacity <= 8 * 64 * two[0]) == (tiles == 1)
 
 
-@pytest.mark.parametrize("apart", [False, True], ids=["one-output", "apart"])
-@pytest.mark.parametrize("centered", [False, True], ids=["plain", "centered"])
-def test_decode_merge_of_many_splits(centered, apart):
+@pytest.mark.parametrize("centered, apart, sinks", [(False, False, False), (True, False, False), (True, True, False),
+                                                     (True, True, True), (False, False, True)],
+                         ids=["plain", "centered", "centered-apart", "centered-apart-sinks", "sinks"])
+def test_decode_merge_of_many_splits(centered, apart, sinks):
     """Stage 2 over more splits than one step holds (300 > 128), with empty splits and a row with no valid key;
     centered, the history splits (from 120 on) get q·μ_K on their lse and the output μ_V times their weight; apart
-    (a V rotation), the windows' and the history's shares of the output are written to two buffers."""
+    (a V rotation), the windows' and the history's shares of the output are written to two buffers; sinks, a learned
+    logit per head joins the weights (with no value)."""
     rows, splits, dim, hist_from, qk_scale = 3, 300, 64, 120, 0.5
     part_o = randn(rows, splits, dim, seed=3)
     part_lse = randn(rows, splits, seed=4) * 4
@@ -454,13 +456,17 @@ def test_decode_merge_of_many_splits(centered, apart):
     query = randn(1, rows, 1, dim, seed=5).to(torch.bfloat16)  # one KV head per query head
     mu_k, mu_v = randn(1, rows, dim, seed=6), randn(1, rows, dim, seed=7)
     out, out_hist = (torch.empty(rows, dim, dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
+    sink_logits = randn(rows, seed=8) * 4
     _decode_stage2_kernel[(rows, dim // 32)](part_o, part_lse, out, out_hist, splits, hist_from, query,
                                              *query.stride()[:3], mu_k, mu_v, *mu_k.stride()[:2], rows, qk_scale,
-                                             G_Q=1, Q_LEN=1, D=dim, BLOCK_D=32, BLOCK_S=128, CENTERED=centered,
-                                             APART=apart, PDL=False)
+                                             sink_logits, G_Q=1, Q_LEN=1, D=dim, BLOCK_D=32, BLOCK_S=128,
+                                             CENTERED=centered, APART=apart, PDL=False, HAS_SINKS=sinks)
     hist = torch.arange(splits, device=DEVICE) >= hist_from
     shift = (query[0, :, 0].float() * mu_k[0]).sum(-1, keepdim=True) * qk_scale if centered else 0.0
-    weights = torch.softmax(torch.where(hist, part_lse + shift, part_lse)[:2] * math.log(2), dim=-1)
+    lse = torch.where(hist, part_lse + shift, part_lse)[:2] * math.log(2)
+    if sinks:  # natural units (part_lse is base 2)
+        lse = torch.cat([lse, sink_logits[:2, None]], dim=-1)
+    weights = torch.softmax(lse, dim=-1)[:, :splits]
     windows = torch.einsum("rs,rsd->rd", weights * ~hist, part_o[:2])
     history = torch.einsum("rs,rsd->rd", weights * hist, part_o[:2])
     if centered:
@@ -1001,3 +1007,34 @@ def test_compiled_generate_is_one_graph_with_a_static_cache():
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
     torch.testing.assert_close(eager, growing, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dim, groups, centering", [(64, 4, True), (128, 2, True), (128, 1, False)])
+@pytest.mark.parametrize("extra", ["softcap", "sinks", "both"])
+def test_decode_soft_capping_and_learned_sinks_equal_the_torch_twin(dim, groups, centering, extra):
+    """Gemma-2's capped logits (the history's with q·μ_K included) and gpt-oss's sink logits in the decode kernel,
+    over windows, a centered history and a left-padded row, with random rotations (the output's two shares)."""
+    batch, heads = 2, 2
+    generator = torch.Generator().manual_seed(11)
+    rotations = [torch.linalg.qr(torch.randn(dim, dim, generator=generator)).Q for _ in range(2)]
+    cfg = OscarConfig(sink_tokens=4, recent_tokens=8, flush_tokens=2, backend="torch", centering=centering)
+    layer = DynamicOscarLayer(cfg, *rotations)
+    kv = randn(2, batch, heads, 150, dim, seed=12).to(torch.bfloat16)
+    kv[:, 1, :, :5] = 30.0
+    layer.update(kv[0, :, :, :-1], kv[1, :, :, :-1])
+    key, value = layer.update(kv[0, :, :, -1:], kv[1, :, :, -1:])
+    mask = torch.ones(batch, 1, 1, 150, dtype=torch.bool, device=DEVICE)
+    mask[1, ..., :5] = False
+    query = randn(batch, heads * groups, 1, dim, seed=13).to(torch.bfloat16)
+    kwargs = {"softcap": 0.8 if extra != "sinks" else None,
+              "sinks": randn(heads * groups, seed=14) + 6 if extra != "softcap" else None}
+    got = decode(query, layer.packed(), mask, None, **kwargs)
+    want = decode_reference.attend(Attn(groups), query, layer.packed(), key.new, value.new, mask, None, **kwargs)
+    k32, v32 = (layer.materialize(side, dtype=torch.float32) for side in ("key", "value"))
+    exact = decode_reference.dense_attention(Attn(groups), query.float(), k32, v32, mask, None, **kwargs)
+    # as close to fp32 as the torch twin (which computes the logits in bf16, as the models' eager attention does),
+    # up to the kernel's own roundings (p in bf16 for the tensor cores)
+    err, twin_err = (got.float() - exact).abs().max().item(), (want.float() - exact).abs().max().item()
+    assert err <= 2 * twin_err + 2 * torch.finfo(torch.bfloat16).eps * exact.abs().max().item(), (err, twin_err)
+    plain = decode(query, layer.packed(), mask, None)
+    assert (got.float() - plain.float()).abs().max() > 0.1, "the cap or the sinks change the output"

@@ -147,6 +147,14 @@ def rotate_query(query: torch.Tensor, rotation: torch.Tensor, pdl: bool = False)
 
 
 @triton.jit
+def _softcap(x, cap):
+    """``cap · tanh(x / cap)`` (Gemma-2's logit soft-capping) from one exp2; -inf stays -inf."""
+    e = tl.exp2(-2.8853900817779268 * tl.abs(x) / cap)  # e^(-2|x|/cap)
+    t = cap * (1.0 - e) / (1.0 + e)
+    return tl.where(x == float("-inf"), x, tl.where(x < 0, -t, t))
+
+
+@triton.jit
 def _online_softmax(logits, m, den):
     """One tile of base-2 logits ``[BLOCK_H, BLOCK_N]`` (masked = -inf) → new m and den, p, and the rescale alpha."""
     m_new = tl.maximum(m, tl.max(logits, axis=1))
@@ -337,8 +345,9 @@ def _rescaled(alpha, den, pss, pzs, accs):
 @triton.jit
 def _codes_tile(
     state, start, step, hi, pos0, kc, ks, kz, vc, vs, vz, mask_row, stride_mq, stride_mt, qk_scale, query,
-    qts, qsums, q_offs, K_BITS: tl.constexpr, V_BITS: tl.constexpr, GROUP: tl.constexpr, W_K: tl.constexpr,
-    W_V: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, Q_LEN: tl.constexpr, DT: tl.constexpr,
+    qts, qsums, q_offs, cap, q_mu, SOFTCAP: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+    GROUP: tl.constexpr, W_K: tl.constexpr, W_V: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
+    Q_LEN: tl.constexpr, DT: tl.constexpr,
     MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr, MANTISSA: tl.constexpr, FAST_UNPACK: tl.constexpr,
     FP32_DOT: tl.constexpr, STREAM_META: tl.constexpr, MASKED: tl.constexpr, PAIRED: tl.constexpr,
 ):
@@ -346,7 +355,8 @@ def _codes_tile(
     else all of them), a row per token or, PAIRED, per two (:func:`_attend_codes`). ``state``: m (in raw logit
     units), den, per group Σ p·s and Σ p·(z + c̄·s), the outputs, the prefetched scale/zero of this tile (empty when
     STREAM_META: the loop pipeliner streams them with the codes) and its prefetched mask bytes; returns the next
-    state.
+    state. SOFTCAP: the logits are capped at ``cap`` (raw units), ``q_mu [BLOCK_G]`` (q·μ_K, which stage 2 adds to the
+    lse) included in what is capped.
 
     Lazy rescaling: the running max moves only when a tile's max exceeds it by more than SLACK (so p ≤ 2**SLACK);
     bf16 has the range for that, while fp16's p·s could overflow, so there it moves with every larger max."""
@@ -374,6 +384,8 @@ def _codes_tile(
     kh, vh = _tile_codes(kc, vc, n, hi, HW_K, HW_V, MASKED, PAIRED)
     logits = _tile_logits(kh, meta, n, hi, mask_here, qts, qsums, q_offs, K_BITS, GROUP, W_K, DT, MAGIC_BITS,
                           MANTISSA, FAST_UNPACK, FP32_DOT, HAS_MASK, MASKED, PAIRED)
+    if SOFTCAP:
+        logits = _softcap(logits + q_mu[None, :], cap) - q_mu[None, :]
     tile_max = tl.max(logits, axis=0)
     if tl.max(tile_max - m, axis=0) * qk_scale > SLACK:  # rare once the running max has settled
         m_new = tl.maximum(m, tile_max)
@@ -399,8 +411,9 @@ def _diagonal(x):
 @triton.jit
 def _attend_codes(
     qps, lo, step, hi, pos0, kc, ks, kz, vc, vs, vz, mask_row, stride_mq, stride_mt,
-    qk_scale, query, K_BITS: tl.constexpr, V_BITS: tl.constexpr, GROUP: tl.constexpr, W_K: tl.constexpr,
-    W_V: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, Q_LEN: tl.constexpr, DT: tl.constexpr,
+    qk_scale, query, cap, q_mu, SOFTCAP: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+    GROUP: tl.constexpr, W_K: tl.constexpr, W_V: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
+    Q_LEN: tl.constexpr, DT: tl.constexpr,
     MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr, MANTISSA: tl.constexpr, FAST_UNPACK: tl.constexpr,
     FP32_DOT: tl.constexpr, NUM_STAGES: tl.constexpr, PAIRED: tl.constexpr,
 ):
@@ -410,8 +423,8 @@ def _attend_codes(
     aligned for cp.async. ``qps``: q at K's positions, transposed, ``[HW_K, BLOCK_G]`` each (query rows as columns);
     PAIRED, column ``2r + t`` of query row ``r`` reads token ``t``'s halfwords of a pair row (zeros in the others),
     each column a softmax of its own, merged at the end. ``query [BLOCK_G]``: each column's query token, for
-    the mask. Returns m, den ``[BLOCK_G]`` and the output at V's positions, transposed, ``[HW_V, BLOCK_G]`` each
-    (PAIRED: ``[BLOCK_G/2]`` and ``[HW_V/2, BLOCK_G/2]``).
+    the mask. ``cap``, ``q_mu``, SOFTCAP: :func:`_codes_tile`'s. Returns m, den ``[BLOCK_G]`` and the output at V's
+    positions, transposed, ``[HW_V, BLOCK_G]`` each (PAIRED: ``[BLOCK_G/2]`` and ``[HW_V/2, BLOCK_G/2]``).
 
     The codes of whole tiles are pipelined by Triton (cp.async, ``NUM_STAGES``; the loop names its stages, so loads
     that feed no dot are streamed too), and so are their scales and zeros where a tile's block of them is wide
@@ -476,12 +489,14 @@ def _attend_codes(
     full = lo + tl.cdiv(tl.maximum(hi // BLOCK_N * BLOCK_N - lo, 0), step) * step  # past the program's whole tiles
     for start in tl.range(lo, full, step, num_stages=NUM_STAGES):  # whole tiles: no bounds checks
         state = _codes_tile(state, start, step, hi, pos0, kc, ks, kz, vc, vs, vz, mask_row, stride_mq, stride_mt,
-                            qk_scale, query, qts, qsums, q_offs, K_BITS, V_BITS, GROUP, W_K, W_V, BLOCK_N,
+                            qk_scale, query, qts, qsums, q_offs, cap, q_mu, SOFTCAP, K_BITS, V_BITS, GROUP, W_K,
+                            W_V, BLOCK_N,
                             HAS_MASK, Q_LEN, DT, MAGIC_BITS, MAGIC_VALUE, MANTISSA, FAST_UNPACK, FP32_DOT, STREAM_META,
                             False, PAIRED)
     for start in tl.range(full, hi, step, num_stages=1):  # the last, partial tile, if it is the program's
         state = _codes_tile(state, start, step, hi, pos0, kc, ks, kz, vc, vs, vz, mask_row, stride_mq, stride_mt,
-                            qk_scale, query, qts, qsums, q_offs, K_BITS, V_BITS, GROUP, W_K, W_V, BLOCK_N,
+                            qk_scale, query, qts, qsums, q_offs, cap, q_mu, SOFTCAP, K_BITS, V_BITS, GROUP, W_K,
+                            W_V, BLOCK_N,
                             HAS_MASK, Q_LEN, DT, MAGIC_BITS, MAGIC_VALUE, MANTISSA, FAST_UNPACK, FP32_DOT, STREAM_META,
                             True, PAIRED)
     m, den, pss, pzs, accs, _, _ = state
@@ -506,12 +521,13 @@ def _attend_codes(
 @triton.jit
 def _attend_dense(
     qs, m, den, accs, lo, hi, pos0, k, v, stride_n, ring_start, ring_cap, mask_row, stride_mq, stride_mt, qk_scale,
-    query, last, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, Q_LEN: tl.constexpr, DT: tl.constexpr,
-    FP32_DOT: tl.constexpr,
+    query, last, cap, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, Q_LEN: tl.constexpr, DT: tl.constexpr,
+    FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Sink or recent tokens ``[lo, hi)`` in the model dtype, by the same channel sub-tiles; token ``n`` is stored
     in row ``(ring_start + n) % ring_cap`` (the recent window is a ring buffer). ``query [rows]``: each row's query
-    token ``t``, which sees key positions up to ``last + t`` (causal among the new tokens)."""
+    token ``t``, which sees key positions up to ``last + t`` (causal among the new tokens). SOFTCAP: logits capped at
+    ``cap`` (raw units)."""
     NSUB: tl.constexpr = len(qs)
     W: tl.constexpr = qs[0].shape[1]
     cols = tl.arange(0, W)
@@ -523,6 +539,8 @@ def _attend_dense(
         for i in tl.static_range(NSUB):
             kt = tl.load(k + row[:, None] + i * W + cols[None, :], mask=live[:, None], other=0.0)
             logits = dot(qs[i], tl.trans(kt), logits, FP32_DOT)
+        if SOFTCAP:
+            logits = _softcap(logits, cap)
         allowed = tl.trans(live[:, None] & (_mask_tile(mask_row, stride_mq, stride_mt, pos0 + n, live, query,
                                                        HAS_MASK, Q_LEN) != 0))  # [rows or 1, BLOCK_N]
         if Q_LEN > 1:
@@ -548,17 +566,19 @@ def _decode_stage1_kernel(
     mask_ptr, stride_mb, stride_mq, stride_mt,
     part_o_ptr, part_lse_ptr,
     counts_ptr, hist_splits, sink_splits, total_splits, rec_cap,
-    H, qk_scale,
+    H, qk_scale, mu_k_ptr, stride_mu_b, stride_mu_h, cap,
     G_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, K_BITS: tl.constexpr,
     V_BITS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, HAS_MASK: tl.constexpr, Q_LEN: tl.constexpr,
     DT: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr,
     MANTISSA: tl.constexpr, FAST_UNPACK: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr,
     NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, PAIRED: tl.constexpr, WINDOW_TILES: tl.constexpr,
+    SOFTCAP: tl.constexpr, CENTERED: tl.constexpr,
 ):
     """Query row ``c = r·Q_LEN + t`` of a program is query head ``h·G_Q + r`` at query token ``t``; its partial
     output and lse go to row ``(b·Hq + h·G_Q + r)·Q_LEN + t``. Window programs read q (``q_ptr``), history programs
-    q·R_K (``qr_ptr``)."""
+    q·R_K (``qr_ptr``). SOFTCAP: logits capped at ``cap`` (raw units; the history's with q·μ_K added where
+    CENTERED)."""
     W_K: tl.constexpr = D * K_BITS // 8  # bytes per code row
     W_V: tl.constexpr = D * V_BITS // 8
     BYTES_K: tl.constexpr = W_K < 32 and not PAIRED  # rows narrower than one MMA K in halfwords: pairs or bytes
@@ -592,15 +612,20 @@ def _decode_stage1_kernel(
         if PAIRED:  # block-diagonal: a pair's second token's halfwords for the odd columns, its first's for the even
             live = live & ((k_col >= HW_K // 2)[:, None] == (_column_token(BLOCK_G) == 1)[None, :])
         qps = ()
+        q_mu = tl.zeros([BLOCK_G], tl.float32)
         for P in tl.static_range(8 // K_BITS if BYTES_K else 16 // K_BITS):
             ch = _position(k_col, P, K_BITS, MANTISSA, W_K, BYTES_K)[1]
             qps = qps + (tl.load(q_cols[None, :] + ch[:, None], mask=live, other=0.0),)
+            if SOFTCAP and CENTERED:  # q·μ_K per column, for the cap
+                mu = tl.load(mu_k_ptr + b * stride_mu_b + h * stride_mu_h + ch)
+                q_mu += tl.sum(qps[P].to(tl.float32) * mu[:, None], axis=0)
         meta_off = b * stride_zb + h * stride_zh
         m, den, accs = _attend_codes(
             qps, (split - win_splits) * BLOCK_N, hist_splits * BLOCK_N, n_hist, n_sink,
             kc_ptr + b * stride_kcb + h * stride_kch, ks_ptr + meta_off, kz_ptr + meta_off,
             vc_ptr + b * stride_vcb + h * stride_vch, vs_ptr + meta_off, vz_ptr + meta_off,
-            mask_row, stride_mq, stride_mt, qk_scale, heads % Q_LEN, K_BITS, V_BITS, GROUP, W_K, W_V,
+            mask_row, stride_mq, stride_mt, qk_scale, heads % Q_LEN, cap, q_mu, SOFTCAP, K_BITS, V_BITS, GROUP,
+            W_K, W_V,
             BLOCK_N, HAS_MASK, Q_LEN, DT, MAGIC_BITS, MAGIC_VALUE, MANTISSA, FAST_UNPACK, FP32_DOT, NUM_STAGES,
             PAIRED,
         )
@@ -624,18 +649,18 @@ def _decode_stage1_kernel(
             tl.where(in_sink, sv_ptr, rv_ptr) + off, tl.where(in_sink, stride_sink_n, stride_rec_n),
             tl.where(in_sink, 0, tl.load(counts_ptr + 3)), tl.where(in_sink, 1 << 30, rec_cap),
             mask_row, stride_mq, stride_mt, qk_scale, n_sink + n_hist + n_recent - Q_LEN, part_o_ptr, part_lse_ptr,
-            bh * G_Q * Q_LEN, total_splits, split, G_Q, BLOCK_H, D, W, BLOCK_W, HAS_MASK, Q_LEN, DT, FP32_DOT,
-            PREFETCH, WIN_CHUNK,
+            bh * G_Q * Q_LEN, total_splits, split, cap, G_Q, BLOCK_H, D, W, BLOCK_W, HAS_MASK, Q_LEN, DT,
+            FP32_DOT, PREFETCH, WIN_CHUNK, SOFTCAP,
         )
 
 
 @triton.jit
 def _window_split(
     q_head, stride_qh, stride_qt, lo, hi, pos0, k, v, stride_n, ring_start, ring_cap, mask_row, stride_mq, stride_mt,
-    qk_scale, last, part_o_ptr, part_lse_ptr, row0, total_splits, split,
+    qk_scale, last, part_o_ptr, part_lse_ptr, row0, total_splits, split, cap,
     G_Q: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
     HAS_MASK: tl.constexpr, Q_LEN: tl.constexpr, DT: tl.constexpr, FP32_DOT: tl.constexpr, PREFETCH: tl.constexpr,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """A sink or recent chunk of stage 1, query rows as rows (padded to BLOCK_H): :func:`_attend_dense`, then its
     normalised partial output and log-sum-exp. ``last``: the position of the last key before the query tokens."""
@@ -654,8 +679,8 @@ def _window_split(
     m = tl.full([BLOCK_H], -1.0e30, tl.float32)
     den = tl.zeros([BLOCK_H], tl.float32)
     m, den, accs = _attend_dense(qs, m, den, accs, lo, hi, pos0, k, v, stride_n, ring_start, ring_cap, mask_row,
-                                 stride_mq, stride_mt, qk_scale, rows % Q_LEN, last, BLOCK_W, HAS_MASK, Q_LEN, DT,
-                                 FP32_DOT)
+                                 stride_mq, stride_mt, qk_scale, rows % Q_LEN, last, cap, BLOCK_W, HAS_MASK, Q_LEN,
+                                 DT, FP32_DOT, SOFTCAP)
     safe_den = tl.where(den > 0, den, 1.0)
     inv_den = 1.0 / safe_den
     part = (row0 + rows).to(tl.int64) * total_splits + split
@@ -668,15 +693,16 @@ def _window_split(
 @triton.jit(do_not_specialize=["total_splits", "hist_from"])
 def _decode_stage2_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, out_hist_ptr, total_splits, hist_from, q_ptr, stride_qb, stride_qh, stride_qt,
-    mu_k_ptr, mu_v_ptr, stride_mu_b, stride_mu_h, HQ, qk_scale,
+    mu_k_ptr, mu_v_ptr, stride_mu_b, stride_mu_h, HQ, qk_scale, sinks_ptr,
     G_Q: tl.constexpr, Q_LEN: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    CENTERED: tl.constexpr, APART: tl.constexpr, PDL: tl.constexpr,
+    CENTERED: tl.constexpr, APART: tl.constexpr, PDL: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """Merge the splits of output row ``(b·Hq + head)·Q_LEN + t`` by log-sum-exp over BLOCK_D output channels (grid
     ``B·Hq·Q_LEN × D/BLOCK_D``), BLOCK_S splits per step with an online max (one step for up to 256 splits: each step
     waits on its loads). Rows with no valid key give 0. CENTERED: the history splits (from ``hist_from``) get
     ``q·μ_K`` (q: the rotated query) on their lse, and the output ``μ_V`` times their share of the weight. APART: the
-    history splits' share goes to ``out_hist`` and the windows' to ``out`` (both over the whole weight)."""
+    history splits' share goes to ``out_hist`` and the windows' to ``out`` (both over the whole weight). HAS_SINKS:
+    the head's learned sink logit (``sinks [Hq]``, natural units) is one more term of the merge, with no value."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     if CENTERED:  # independent of stage 1: done before waiting on it
@@ -692,6 +718,9 @@ def _decode_stage2_kernel(
         tl.extra.cuda.gdc_wait()
     m = -1.0e30  # finite: a step of empty splits leaves alpha = 1 and w = 0
     den = 0.0
+    if HAS_SINKS:  # the sink's term: weight 1 at the running max it starts
+        m = tl.load(sinks_ptr + row // Q_LEN % HQ).to(tl.float32) * 1.4426950408889634
+        den = 1.0
     hist_den = 0.0
     acc = tl.zeros([BLOCK_D], tl.float32)
     hist_acc = tl.zeros([BLOCK_D], tl.float32)
@@ -732,11 +761,11 @@ def _storage(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(query, windows, history, center, attention_mask, counts, scaling, key_bits, value_bits, group, splits,
-            config=None, key_rotation=None, value_rotation=None, rotated_query=None):
+            config=None, key_rotation=None, value_rotation=None, rotated_query=None, softcap=None, sinks=None):
     """Both stages over a PackedKV's ``windows``, ``history`` and ``centers`` lists, the counts int32 ``[4+]`` (sink,
     history, recent, ring start) and the ``splits`` of :func:`launch.plan`, with the history's rotations (None:
-    identity); ``rotated_query`` is ``query @ key_rotation`` where the caller has it (else stage 0 computes it). See
-    :func:`decode`."""
+    identity); ``rotated_query`` is ``query @ key_rotation`` where the caller has it (else stage 0 computes it);
+    ``softcap`` and ``sinks`` as :func:`decode`'s."""
     batch, hq, q_len, d = query.shape
     sink_k, sink_v, rec_k, rec_v = windows
     heads = sink_k.shape[1]
@@ -784,7 +813,7 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
             mask, *mask_strides,
             part_o, part_lse,
             counts, hist_splits, sink_splits, total, max(rec_k.shape[2], 1),
-            heads, scaling * LOG2E,
+            heads, scaling * LOG2E, mu[0], *mu[2:], 1.0 if softcap is None else softcap / scaling,
             G_Q=group_q, BLOCK_G=max(8, triton.next_power_of_2(rows * (2 if paired else 1))),
             BLOCK_H=max(16, triton.next_power_of_2(rows)), D=d, K_BITS=key_bits, V_BITS=value_bits,
             GROUP=group, BLOCK_N=cfg.block_n, BLOCK_W=WINDOW_BLOCK[d], HAS_MASK=attention_mask is not None,
@@ -792,15 +821,17 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
             MANTISSA=mantissa, FAST_UNPACK=cfg.fast_unpack and not interpreting,
             FP32_DOT=dt == tl.bfloat16 and interpreting, PDL=pdl, NUM_STAGES=cfg.num_stages,
             PREFETCH=window_prefetch(cfg, batch * heads, history[0].shape[2], splits, query.device)
-            and not interpreting, PAIRED=paired, WINDOW_TILES=window_tiles, num_warps=cfg.num_warps,
+            and not interpreting, PAIRED=paired, WINDOW_TILES=window_tiles, SOFTCAP=softcap is not None,
+            CENTERED=bool(center), num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, launch_pdl=pdl,
             **({"maxnreg": cfg.max_registers} if cfg.max_registers and not interpreting else {}),
         )
         _decode_stage2_kernel[(batch * hq * q_len, d // 32)](
             part_o, part_lse, out, out_hist, total, total - hist_splits, rotated_query, *rotated_query.stride()[:3],
-            *mu, hq, scaling * LOG2E,
+            *mu, hq, scaling * LOG2E, mask if sinks is None else sinks,
             G_Q=group_q, Q_LEN=q_len, D=d, BLOCK_D=32, BLOCK_S=min(256, triton.next_power_of_2(total)),
-            CENTERED=bool(center), APART=value_rotation is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
+            CENTERED=bool(center), APART=value_rotation is not None, PDL=pdl, HAS_SINKS=sinks is not None,
+            num_warps=4, launch_pdl=pdl,
         )
     if value_rotation is not None:  # o_windows + o_history · R_Vᵀ, one rounding of the sum
         out = torch.addmm(out.view(-1, d), out_hist.view(-1, d), value_rotation.to(out.dtype).mT).view(out.shape)
@@ -808,7 +839,8 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
 
 
 def decode(query: torch.Tensor, packed: PackedKV, attention_mask: torch.Tensor | None, scaling: float | None,
-           config: DecodeConfig | None = None, rotated_query: torch.Tensor | None = None) -> torch.Tensor:
+           config: DecodeConfig | None = None, rotated_query: torch.Tensor | None = None,
+           softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of query tokens over ``packed``'s ``sink ‖ history ‖ recent``: one (a decode step) or the ``q``
     newest tokens (a verify step, a small prefill chunk), causal among them.
 
@@ -822,6 +854,8 @@ def decode(query: torch.Tensor, packed: PackedKV, attention_mask: torch.Tensor |
         scaling: logit scale (None: ``D**-0.5``).
         config: launch parameters (None: :func:`launch.default_config`).
         rotated_query: ``query @ packed.key_rotation`` where the caller has it (the append kernel's), else None.
+        softcap: logits soft-capped to ``softcap·tanh(s / softcap)`` (Gemma-2), or None.
+        sinks: a learned sink logit per query head ``[Hq]`` (gpt-oss): one more softmax term, with no value.
     Returns:
         ``[B, q, Hq, D]`` in the query dtype.
     """
@@ -831,7 +865,7 @@ def decode(query: torch.Tensor, packed: PackedKV, attention_mask: torch.Tensor |
         splits = plan(packed, query.shape[0], packed.lengths()[:3], config, query.shape[2])
     return _launch(query, packed.windows, packed.history, packed.centers, attention_mask, packed.device_counts(),
                    scaling, packed.key_bits, packed.value_bits, packed.group_size, splits, config,
-                   packed.key_rotation, packed.value_rotation, rotated_query)
+                   packed.key_rotation, packed.value_rotation, rotated_query, softcap, sinks)
 
 
 @torch.library.custom_op("oscar_hf::decode_attention", mutates_args=())
@@ -850,26 +884,30 @@ def decode_attention(
     value_bits: int,
     group: int,
     splits: list[int],
+    softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """:func:`decode` over device counts as an operator that torch.compile traces without a graph break and CUDA
     graphs capture. Arguments as :func:`_launch`'s."""
     return _launch(query, windows, history, center, attention_mask, counts, scaling, key_bits, value_bits, group,
-                   splits, key_rotation=key_rotation, value_rotation=value_rotation, rotated_query=rotated_query)
+                   splits, key_rotation=key_rotation, value_rotation=value_rotation, rotated_query=rotated_query,
+                   softcap=softcap, sinks=sinks)
 
 
 @decode_attention.register_fake
 def _(query, rotated_query, key_rotation, value_rotation, windows, history, center, attention_mask, counts, scaling,
-      key_bits, value_bits, group, splits):
+      key_bits, value_bits, group, splits, softcap, sinks):
     batch, hq, _, d = query.shape
     return query.new_empty(batch, 1, hq, d)
 
 
 def decode_static(query: torch.Tensor, packed: PackedKV, attention_mask: torch.Tensor | None, scaling: float | None,
-                  splits: list[int], rotated_query: torch.Tensor | None = None) -> torch.Tensor:
+                  splits: list[int], rotated_query: torch.Tensor | None = None, softcap: float | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`decode` of one query token over storage with device counts, as the operator, with a plan made once
     (for the capacities)."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     return torch.ops.oscar_hf.decode_attention(query, rotated_query, packed.key_rotation, packed.value_rotation,
                                                packed.windows, packed.history, packed.centers, attention_mask,
                                                packed.counts, scaling, packed.key_bits, packed.value_bits,
-                                               packed.group_size, splits)
+                                               packed.group_size, splits, softcap, sinks)
