@@ -1,9 +1,9 @@
 """lm-evaluation-harness model "hf-oscar": lm-eval's Hugging Face model with an OSCAR KV cache in the loop.
 
-lm-eval 0.4.13 discovers no third-party models, so "hf-oscar" exists once this module is imported:
-the ``oscar-lm-eval`` command (:mod:`oscar_hf.lm_eval_cli`) does that and then runs lm-eval's own CLI;
-in Python, import this module before ``lm_eval.simple_evaluate(model="hf-oscar", ...)`` or pass an
-:class:`OscarHFLM` instance.
+``lm_eval --model hf-oscar`` finds it without importing this module: oscar-hf installs an import hook
+(``_oscar_hf_lm_eval.py``, run by ``oscar_hf_lm_eval.pth``) that registers it with lm-eval 0.4.13, and declares the
+``lm_eval.models`` entry point that lm-eval's plugin loader reads. In Python, ``lm_eval.simple_evaluate(
+model="hf-oscar", ...)`` works the same way, as does passing an :class:`OscarHFLM` instance.
 
 Every request type goes through a fresh cache of the chosen method:
 
@@ -32,6 +32,7 @@ from oscar_hf.cache import OscarQuantizedCache
 from oscar_hf.config import OscarConfig
 from oscar_hf.evaluation.methods import METHODS, make_cache
 from oscar_hf.model_support import cache_kwargs
+from oscar_hf.models import PYPI_MODELS, pypi_model_folder
 from oscar_hf.rotations import OscarRotations
 
 # Importing lm_eval.models.huggingface imports lm_eval.models first, which registers lm-eval's built-in models;
@@ -68,7 +69,8 @@ class OscarHFLM(HFLM):
     """HFLM whose generation and scoring run through an OSCAR quantized KV cache.
 
     Args:
-        pretrained: model id or folder, or a loaded model (whose attention is then switched to "oscar").
+        pretrained: model id or folder, a name in oscar_hf.models.PYPI_MODELS ("smollm2", "gemma3-270m": the
+            converted folder, made on first use), or a loaded model (whose attention is then switched to "oscar").
         rotations: rotation bundle folder or Hub repo (OscarRotations.from_pretrained); needed by the
             calibrated methods, and its recommended config is the base of every method's config.
         rotations_subfolder: subfolder of ``rotations``.
@@ -89,6 +91,8 @@ class OscarHFLM(HFLM):
         self.oscar_method = method
         self.oscar_overrides = overrides
         self.oscar_rotations_source = "/".join(filter(None, [rotations, rotations_subfolder])) or None
+        if isinstance(pretrained, str) and pretrained in PYPI_MODELS:
+            pretrained = str(pypi_model_folder(pretrained))
         super().__init__(pretrained, **kwargs)
         # A first cache checks model, bundle and config together and routes the model's attention through oscar_hf.
         cache = self.new_cache()
