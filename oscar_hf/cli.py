@@ -1,4 +1,4 @@
-"""The ``oscar-hf`` command: demo, calibrate, info, generate, eval."""
+"""The ``oscar-hf`` command: demo, calibrate, info, generate, eval, lm-eval-tasks."""
 
 from __future__ import annotations
 
@@ -180,6 +180,12 @@ def cmd_eval(args) -> None:
     )
 
 
+def cmd_lm_eval_tasks(args) -> None:
+    from .lm_eval_tasks import TASKS_DIR
+
+    print(TASKS_DIR)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .models import PYPI_MODELS
 
@@ -249,6 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--limit", type=int, help="first N GSM8K items")
     ev.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     ev.set_defaults(func=cmd_eval)
+
+    tasks = sub.add_parser("lm-eval-tasks", help="print the folder of the lm-eval tasks shipped with oscar-hf, for "
+                                                 "lm_eval's --include_path (the task oscar_demo)")
+    tasks.set_defaults(func=cmd_lm_eval_tasks)
     return parser
 
 

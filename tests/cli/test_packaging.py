@@ -1,11 +1,15 @@
-"""Packaging: every subpackage ships, the README's first two commands stay what CI runs, and the optional packages
-stay optional (never imported by ``import oscar_hf``; a missing one names the extra that installs it)."""
+"""Packaging: every subpackage ships, the README's first two commands stay what CI runs, the optional packages
+stay optional (never imported by ``import oscar_hf``; a missing one names the extra that installs it), and a wheel
+makes ``lm_eval --model hf-oscar`` work."""
 
+import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import tomllib
@@ -111,3 +115,37 @@ def test_extras_install_what_the_error_messages_name():
         extras["test"]
     demo_source = (ROOT / "oscar_hf" / "demo.py").read_text()
     assert "matplotlib" not in demo_source and "pyplot" not in demo_source
+
+
+def test_the_wheel_makes_lm_eval_find_hf_oscar(tmp_path):
+    """A regular (non-editable) wheel of this checkout ships oscar_hf_lm_eval.pth and its hook at the root (pip puts
+    them in site-packages), the lm-eval task and the ``lm_eval.models`` entry point. Installed alone into a folder
+    that a fresh interpreter reads as its site-packages (this environment's packages on its path, but none of its
+    .pth files, so not this checkout's editable install), lm-eval's registry has "hf-oscar" from that folder."""
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__", "tests",
+                                                                 "eval", "docs"))
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    # this environment's setuptools where it has one (a venv of Python 3.12+ has none: then pip fetches it)
+    isolation = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
+    subprocess.run([*pip, "wheel", "--no-deps", *isolation, "-w", tmp_path, source], check=True)
+    (wheel,) = tmp_path.glob("*.whl")
+    site_packages = tmp_path / "site-packages"
+    subprocess.run([*pip, "install", "--no-deps", "--target", site_packages, wheel], check=True)
+    assert (site_packages / "oscar_hf_lm_eval.pth").read_text().startswith("import _oscar_hf_lm_eval;")
+    assert (site_packages / "oscar_hf" / "lm_eval_tasks" / "oscar_demo.jsonl").is_file()
+    (entry_points,) = site_packages.glob("oscar_hf-*.dist-info/entry_points.txt")
+    assert "[lm_eval.models]\nhf-oscar = oscar_hf.lm_eval_model:OscarHFLM" in entry_points.read_text()
+
+    packages = sorted({sysconfig.get_paths()[key] for key in ("purelib", "platlib")})
+    code = ("import site, sys\n"
+            f"sys.path += {packages!r}\n"
+            f"site.addsitedir({str(site_packages)!r})\n"
+            "from lm_eval.api.registry import get_model\n"
+            "from lm_eval.models.huggingface import HFLM\n"
+            "assert get_model('hf-oscar').__name__ == 'OscarHFLM' and get_model('hf') is HFLM\n"
+            "print(sys.modules['oscar_hf'].__file__)\n")
+    # -I: neither the working directory nor PYTHONPATH on the path; -S: no site-packages but those added above
+    run = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert Path(run.stdout.strip()).is_relative_to(site_packages)

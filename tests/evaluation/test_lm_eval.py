@@ -1,8 +1,6 @@
 """The "hf-oscar" lm-eval model, fully offline: a tiny random model, a word-level tokenizer and local tasks."""
 
 import json
-import math
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +19,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: 
 from oscar_hf import OscarQuantizedCache, OscarRotations, cache_kwargs  # noqa: E402
 from oscar_hf.evaluation import METHODS  # noqa: E402
 from oscar_hf.lm_eval_model import OscarHFLM  # noqa: E402
+from oscar_hf.lm_eval_tasks import TASKS_DIR  # noqa: E402
 
 WORDS = ("the a cat dog fish bird red blue green sun moon tree house river stone runs sees eats likes "
          "under over near big small old new one two three yes no").split()
@@ -167,14 +166,35 @@ def test_tiny_windows_put_the_quantized_cache_in_the_loop(assets, hf_results, mo
     assert oscar_mc[doc, choice].item() == pytest.approx(expected, abs=1e-5)
 
 
-def test_builtin_models_stay_registered():
-    """Importing the module in a fresh interpreter keeps lm-eval's own models (registration order matters)."""
-    code = ("import oscar_hf.lm_eval_model\n"
+@pytest.mark.parametrize("first", ["lm_eval", "oscar_hf.lm_eval_model"])
+def test_lm_eval_finds_hf_oscar_and_keeps_its_own_models(first):
+    """In a fresh interpreter, lm-eval's registry has "hf-oscar" (registered by the import hook that
+    oscar_hf_lm_eval.pth installs, oscar_hf imported only when the model is asked for) next to its built-in models,
+    whichever is imported first."""
+    code = (f"import sys, {first}\n"
             "from lm_eval.api.registry import get_model, model_registry\n"
             "from lm_eval.models.huggingface import HFLM\n"
-            "assert get_model('hf') is HFLM and get_model('hf-oscar').__name__ == 'OscarHFLM'\n"
-            "assert 'vllm' in model_registry\n")
-    subprocess.run([sys.executable, "-c", code], check=True)
+            f"assert ('oscar_hf' in sys.modules) == {first != 'lm_eval'}\n"
+            "assert get_model('hf-oscar').__module__ == 'oscar_hf.lm_eval_model'\n"
+            "assert get_model('hf') is HFLM and 'vllm' in model_registry\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:] + "\n(is oscar-hf installed? pip install -e . writes the hook)"
+
+
+def test_the_hook_registers_when_lm_eval_models_is_already_imported(monkeypatch):
+    """``install()`` registers at once where lm-eval's models are already imported (no finder left behind), and
+    never replaces an existing "hf-oscar" (the class, or an entry point's)."""
+    from lm_eval.api.registry import model_registry
+
+    import _oscar_hf_lm_eval as hook
+
+    monkeypatch.setattr(model_registry, "_objs", {"hf": "lm_eval.models.huggingface:HFLM"})
+    hook.install()
+    assert model_registry._objs["hf-oscar"] == hook.TARGET
+    assert not any(isinstance(finder, hook.Finder) for finder in sys.meta_path)
+    model_registry._objs["hf-oscar"] = OscarHFLM
+    hook.install()
+    assert get_model("hf-oscar") is OscarHFLM
 
 
 @pytest.mark.parametrize("model_args, argument", [
@@ -204,17 +224,29 @@ def test_methods_need_rotations_as_the_registry_says(assets, name):
             OscarHFLM(pretrained="/nonexistent/model", device="cpu", method=name)
 
 
-def test_oscar_lm_eval_command(assets, tmp_path):
-    """``oscar-lm-eval`` takes lm_eval's arguments (here the legacy form without ``run``) and runs hf-oscar."""
-    command = shutil.which("oscar-lm-eval", path=str(Path(sys.executable).parent))
-    if command is None:
-        pytest.skip("the oscar-lm-eval script is not installed (reinstall oscar-hf)")
+def test_pretrained_takes_the_pypi_model_names(assets, monkeypatch):
+    """``pretrained=smollm2`` loads the converted folder of oscar_hf.models' "smollm2" (here the tiny model's)."""
+    import oscar_hf.lm_eval_model as lm_eval_model
+
+    asked = []
+    monkeypatch.setattr(lm_eval_model, "pypi_model_folder", lambda name: asked.append(name) or Path(assets["model"]))
+    lm = OscarHFLM(pretrained="smollm2", method="quarot-int2", dtype="float32", device="cpu")
+    assert asked == ["smollm2"] and lm.model.config.num_hidden_layers == 2
+
+
+def test_lm_eval_command_runs_the_shipped_task(assets, tmp_path):
+    """The ``lm_eval`` command itself, with ``--model hf-oscar`` and the task shipped in the package (its folder as
+    ``oscar-hf lm-eval-tasks`` prints it), offline, with windows small enough for the history to be read."""
+    bin_dir = Path(sys.executable).parent
+    tasks = subprocess.run([bin_dir / "oscar-hf", "lm-eval-tasks"], capture_output=True, text=True, check=True)
+    assert Path(tasks.stdout.strip()) == TASKS_DIR
     model_args = f"pretrained={assets['model']},rotations={assets['rotations']},{TINY_WINDOWS},dtype=float32"
-    subprocess.run([command, "--model", "hf-oscar", "--model_args", model_args, "--tasks", ",".join(TASKS),
-                    "--include_path", assets["tasks"], "--device", "cpu", "--batch_size", "3",
-                    "--output_path", str(tmp_path)], check=True)
+    run = subprocess.run([bin_dir / "lm_eval", "--model", "hf-oscar", "--model_args", model_args, "--tasks",
+                          "oscar_demo", "--include_path", tasks.stdout.strip(), "--limit", "2", "--device", "cpu",
+                          "--output_path", str(tmp_path)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
     (result_file,) = tmp_path.rglob("results_*.json")
     results = json.loads(result_file.read_text())
     assert results["config"]["oscar_method"] == "oscar"
-    assert math.isfinite(results["results"]["tiny_ppl"]["word_perplexity,none"])
-    assert results["results"]["tiny_mc"]["acc,none"] >= 0
+    assert results["config"]["oscar_config"]["recent_tokens"] == 2
+    assert results["results"]["oscar_demo"]["acc,none"] in (0, 0.5, 1)

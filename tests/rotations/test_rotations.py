@@ -1,9 +1,12 @@
 """oscar_hf.rotations: Hadamard matrices, data-free bundles, save/load (local, subfolder, Hub cache), validation."""
 
 import copy
+import functools
+import hashlib
 import json
 import os
 import time
+from pathlib import Path
 
 import huggingface_hub
 import pytest
@@ -11,6 +14,7 @@ import torch
 from helpers import make_model
 from safetensors.torch import load_file
 
+from oscar_hf import OscarQuantizedCache
 from oscar_hf.config import OscarConfig
 from oscar_hf.rotations import OscarRotations, hadamard_matrix
 
@@ -126,20 +130,55 @@ def test_load_from_subfolder(tmp_path):
     assert_same_bundle(OscarRotations.from_pretrained(tmp_path, subfolder="qwen3-tiny"), bundle)
 
 
+def fill_hub_cache(cache: Path, repo_id: str, folder: Path, ref: str) -> str:
+    """Store ``folder`` as a snapshot of the model repo ``repo_id`` in the Hugging Face cache folder ``cache``, in
+    huggingface_hub's layout (blobs named by their hash, the snapshot's files symlinks to them, ``refs/<ref>``
+    naming the commit), as a download would leave it; return the commit hash."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    files = {f.relative_to(folder).as_posix(): f.read_bytes() for f in sorted(folder.rglob("*")) if f.is_file()}
+    commit = hashlib.sha1(repr(sorted(files.items())).encode()).hexdigest()
+    for name, data in files.items():
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        link = repo / "snapshots" / commit / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / ref).write_text(commit)
+    return commit
+
+
 def test_load_from_offline_hub_cache(tmp_path, monkeypatch):
+    """With HF_HUB_OFFLINE=1, a RotationZoo repo in the local Hugging Face cache loads by repo id, subfolder and
+    revision (a branch or tag, or a commit hash), into OscarRotations and into OscarQuantizedCache (from the default
+    cache folder); a subfolder or a repo missing from the cache fails at once, naming both."""
     assert huggingface_hub.constants.HF_HUB_OFFLINE  # set by conftest before huggingface_hub was imported
     monkeypatch.chdir(tmp_path)  # "org/rotation-zoo" must not resolve to a local folder
-    sha = "0123456789abcdef0123456789abcdef01234567"
-    repo = tmp_path / "hub" / "models--org--rotation-zoo"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(sha)
-    bundle = random_bundle()
-    bundle.save_pretrained(repo / "snapshots" / sha / "qwen3-tiny")
-    loaded = OscarRotations.from_pretrained("org/rotation-zoo", subfolder="qwen3-tiny", cache_dir=tmp_path / "hub")
-    assert_same_bundle(loaded, bundle)
+    hub = tmp_path / "hub"
+    model = make_model("llama-mha-d64")  # 2 layers, 2 KV heads, head_dim 64: random_bundle's shapes
+    main, v2 = random_bundle(), OscarRotations.hadamard(model.config)
+    main.save_pretrained(tmp_path / "main" / "llama-tiny")
+    v2.save_pretrained(tmp_path / "v2" / "llama-tiny")
+    fill_hub_cache(hub, "org/rotation-zoo", tmp_path / "main", "main")
+    commit = fill_hub_cache(hub, "org/rotation-zoo", tmp_path / "v2", "v2")
+    (cached,) = huggingface_hub.scan_cache_dir(hub).repos  # huggingface_hub reads the layout as its own
+    assert cached.repo_id == "org/rotation-zoo" and set(cached.refs) == {"main", "v2"}
+
+    load = functools.partial(OscarRotations.from_pretrained, "org/rotation-zoo", subfolder="llama-tiny", cache_dir=hub)
+    assert_same_bundle(load(), main)
+    assert_same_bundle(load(revision="v2"), v2)
+    assert_same_bundle(load(revision=commit), v2)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
+    cache = OscarQuantizedCache.from_pretrained("org/rotation-zoo", subfolder="llama-tiny", revision="v2", model=model)
+    assert cache.rotations.method == "hadamard"
+    torch.testing.assert_close(cache.layers[1].key_rotation, v2.key_rotation[1], rtol=0, atol=0)
+
     start = time.perf_counter()
-    with pytest.raises(FileNotFoundError, match="org/missing-zoo.*subfolder 'qwen3-tiny'.*local Hugging Face cache"):
-        OscarRotations.from_pretrained("org/missing-zoo", subfolder="qwen3-tiny", cache_dir=tmp_path / "hub")
+    with pytest.raises(FileNotFoundError, match="'org/rotation-zoo', subfolder 'qwen3-8b' has no oscar_config.json"):
+        OscarRotations.from_pretrained("org/rotation-zoo", subfolder="qwen3-8b", cache_dir=hub)
+    with pytest.raises(FileNotFoundError, match="org/missing-zoo.*subfolder 'llama-tiny'.*local Hugging Face cache"):
+        OscarRotations.from_pretrained("org/missing-zoo", subfolder="llama-tiny", cache_dir=hub)
     assert time.perf_counter() - start < 5
 
 
