@@ -602,8 +602,8 @@ def test_chunks_of_several_tokens_through_the_model(monkeypatch):
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     query_lengths = []
     decode_ = decode_triton.decode
-    monkeypatch.setattr(decode_triton, "decode", lambda query, *a: query_lengths.append(query.shape[2]) or decode_(
-        query, *a))
+    monkeypatch.setattr(decode_triton, "decode", lambda query, *a, **kw: query_lengths.append(query.shape[2]) or
+                        decode_(query, *a, **kw))
 
     def chunked(backend):
         cache = OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model,
