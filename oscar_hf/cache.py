@@ -17,7 +17,8 @@ One layer class per allocation mode, as in transformers: :class:`DynamicOscarLay
 :class:`StaticOscarLayer` (``max_cache_len``) allocates them once, keeps its counts on the device and, where the Triton
 kernels serve it, takes each decode step as device-only operators (a graph step: no host synchronisation, one CUDA
 graph per model step under ``torch.compile``). ``update`` returns :class:`OscarKV` handles instead of dense tensors;
-the ``"oscar"`` attention function reads the storage through them. Sliding-window layers keep transformers' own layer.
+the ``"oscar"`` attention function reads the storage through them. Sliding-window and chunked-attention layers keep
+transformers' own layer.
 """
 
 from __future__ import annotations
@@ -713,8 +714,8 @@ class OscarQuantizedCache(Cache):
                 rotation_pair = (rotations.key_rotation[i], rotations.value_rotation[i])
                 layers.append(DynamicOscarLayer(config.for_layer(i), *rotation_pair) if max_cache_len is None else
                               StaticOscarLayer(config.for_layer(i), *rotation_pair, max_cache_len))
-            elif kind == "sliding_attention":
-                layers.append(DynamicSlidingWindowLayer(sliding_window=shape.sliding_window))
+            elif kind in ("sliding_attention", "chunked_attention"):  # transformers' own layer, as DynamicCache's
+                layers.append(DynamicSlidingWindowLayer(sliding_window=shape.window(kind)))
             else:
                 raise ValueError(f"layer {i} has type {kind!r}, which OscarQuantizedCache cannot store")
         super().__init__(layers=layers)

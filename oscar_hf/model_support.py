@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 # Decoders that route attention through AttentionInterface but touch K/V between the cache update
 # and the attention call, or cache something other than per-head K and V.
@@ -40,6 +40,13 @@ class ModelShape:
     head_dim: int
     layer_types: tuple[str, ...]
     sliding_window: int | None
+    attention_chunk_size: int | None = None
+
+    def window(self, layer_type: str) -> int | None:
+        """Tokens a ``layer_type`` layer keeps (transformers' own layer holds them): the sliding window, the attention
+        chunk, or None for full attention."""
+        return {"sliding_attention": self.sliding_window, "chunked_attention": self.attention_chunk_size}.get(
+            layer_type)
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
@@ -63,6 +70,7 @@ class ModelShape:
             head_dim=head_dim,
             layer_types=tuple(layer_types),
             sliding_window=sliding_window,
+            attention_chunk_size=getattr(cfg, "attention_chunk_size", None),
         )
 
 
@@ -98,7 +106,7 @@ def check_model_supported(model: torch.nn.Module) -> ModelShape:
         raise UnsupportedModelError(f"{name}: layer types {unknown} are not supported (only {SUPPORTED_LAYER_TYPES})")
     if "full_attention" not in shape.layer_types:
         raise UnsupportedModelError(
-            f"{name}: every layer is sliding-window attention (sliding_window={shape.sliding_window}), "
-            "so there is nothing to quantize"
+            f"{name}: every layer is sliding-window or chunked attention (sliding_window={shape.sliding_window}, "
+            f"attention_chunk_size={shape.attention_chunk_size}), so there is nothing to quantize"
         )
     return shape

@@ -149,3 +149,31 @@ def test_soft_capped_and_sink_attention_is_served(case):
         else:
             assert cache.layers[1].n_history > 0 and logits.isfinite().all()
         model.set_attn_implementation("eager")
+
+
+def test_llama4_chunked_layers_stay_transformers_and_full_layers_are_quantized():
+    """Llama-4: chunked-attention layers keep transformers' own layer (a window of attention_chunk_size tokens), the
+    full (NoPE) layer is an OSCAR layer; lossless with covering windows, calibrated and quantized otherwise."""
+    from helpers import quick_calibrate
+
+    config = transformers.Llama4TextConfig(**{**TINY, "num_hidden_layers": 4}, intermediate_size_mlp=64,
+                                           attention_chunk_size=8, num_local_experts=2, no_rope_layers=[1, 1, 1, 0],
+                                           interleave_moe_layer_step=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.Llama4ForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    assert check_model_supported(model).layer_types == ("chunked_attention",) * 3 + ("full_attention",)
+    inputs = {"input_ids": torch.randint(3, VOCAB, (2, 30)), "attention_mask": torch.ones(2, 30, dtype=torch.long)}
+    inputs["attention_mask"][1, :3] = 0
+    settings = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    expected = model.generate(**inputs, **settings)
+    rotations = quick_calibrate(model, torch.randint(3, VOCAB, (2, 64)))
+    cache = OscarQuantizedCache.from_pretrained(rotations, model=model)
+    got = model.generate(**inputs, **cache_kwargs(model, cache), **settings)
+    assert torch.equal(got.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), rtol=0, atol=1e-5)
+    assert [type(layer).__name__ for layer in cache.layers] == ["DynamicSlidingWindowLayer"] * 3 + ["DynamicOscarLayer"]
+    assert cache.layers[0].sliding_window == 8
+    quantized = OscarQuantizedCache.from_pretrained(rotations, model=model, sink_tokens=4, recent_tokens=8)
+    out = model.generate(**inputs, **cache_kwargs(model, quantized), **settings)
+    assert quantized.layers[3].n_history > 0 and torch.stack(out.logits).isfinite().all()
