@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 SHIPPED_TEXT = Path(__file__).parent / "data" / "austen_emma.txt"
 SHIPPED_TEXT_NAME = "oscar_hf/data/austen_emma.txt"  # as a bundle records it
 # Calibration tokens when no budget is given: one chunk, one forward pass per target pass. On SmolLM2-135M it gives
-# the attention-score KL and perplexity of 30K tokens (docs/calibration.md) and takes seconds on a 2-core CPU.
+# the attention-score KL and perplexity of 30K tokens (docs/design.md) and takes seconds on a 2-core CPU.
 DEFAULT_TOKENS = 2048
 SETTINGS = ("num_tokens", "max_length", "k_target", "v_target", "composition", "eigen_order")
 # config fields that say how a model was loaded or runs, not what it computes: left out of the bundle's key

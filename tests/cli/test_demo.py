@@ -39,7 +39,7 @@ def test_demo_writes_nothing_into_the_working_directory(model_dir, tmp_path, mon
         torch.set_num_threads(threads)
     assert list(work.iterdir()) == []
     [bundle] = (home / "oscar-hf" / "rotations").glob("*/*")
-    assert f"the model lives in {model_dir}" in first and f"the bundle lives in {bundle}" in first
+    assert f"; the model lives in {model_dir}" in first and f"the bundle lives in {bundle}" in first
     assert "calibrated in" in first and "calibrated on an earlier run (256 tokens, the default settings)" in second
     for step in ("[1/4]", "[2/4]", "[3/4]", "[4/4]"):
         assert step in first
