@@ -5,6 +5,7 @@ Data flow: calibrate → OscarRotations → OscarQuantizedCache → "oscar" atte
 
 from .absorb import absorb_value_rotation
 from .attention import oscar_attention_forward, register
+from .autocalibrate import rotations_for_model
 from .cache import DynamicOscarLayer, OscarKV, OscarLayer, OscarQuantizedCache, StaticOscarLayer, enable
 from .calibrate import calibrate
 from .config import OscarConfig
@@ -41,4 +42,5 @@ __all__ = [
     "oscar_attention_forward",
     "overlapped_sample",
     "register",
+    "rotations_for_model",
 ]

@@ -726,21 +726,36 @@ class OscarQuantizedCache(Cache):
     @classmethod
     def from_pretrained(
         cls,
-        src: str | OscarRotations,
+        src: str | OscarRotations | None = None,
         *,
         model: torch.nn.Module,
         subfolder: str | None = None,
         revision: str | None = None,
         max_cache_len: int | None = None,
+        tokenizer=None,
+        calibration_texts=None,
         **config_overrides,
     ) -> "OscarQuantizedCache":
         """Load rotations from a folder or Hub repo (or take an OscarRotations), check them against
-        ``model``, route the model's attention through oscar_hf, and build an empty cache."""
-        rotations = (
-            src
-            if isinstance(src, OscarRotations)
-            else OscarRotations.from_pretrained(src, subfolder=subfolder, revision=revision)
-        )
+        ``model``, route the model's attention through oscar_hf, and build an empty cache.
+
+        Without ``src``, the rotations made for ``model`` on demand (:mod:`oscar_hf.autocalibrate`): the first call
+        calibrates them (seconds for a small model on a CPU) on ``calibration_texts`` (default: the Austen excerpt
+        shipped with oscar-hf) with ``tokenizer`` (default: loaded from the model's name or path) and saves the
+        bundle in the Hugging Face cache folder; later calls, in this process or another, reuse it.
+        """
+        if src is None:
+            from .autocalibrate import rotations_for_model
+
+            rotations = rotations_for_model(model, tokenizer, calibration_texts)
+        elif tokenizer is not None or calibration_texts is not None:
+            raise ValueError("tokenizer= and calibration_texts= are for calibrating a bundle; they go with no src")
+        else:
+            rotations = (
+                src
+                if isinstance(src, OscarRotations)
+                else OscarRotations.from_pretrained(src, subfolder=subfolder, revision=revision)
+            )
         enable(model)
         return cls(model.config, rotations, max_cache_len=max_cache_len, **config_overrides)
 

@@ -140,10 +140,27 @@ def token_chunks(
     tensor, or a list of 1-D token-id tensors.
     """
     bos = bos_prefix(tokenizer)
-    held_out_length = min(max_length, HELD_OUT_LENGTH)
+    ids, count = _calibration_ids(tokenizer, texts, num_tokens, max_length, held_out_tokens, bos)
+    held_out = prefixed_chunks(ids[count:], _held_out_length(max_length), bos)
+    return prefixed_chunks(ids[:count], max_length, bos), held_out
+
+
+def calibration_token_ids(tokenizer, texts, num_tokens: int, max_length: int, held_out_tokens: int = 0
+                          ) -> torch.Tensor:
+    """The token ids ``[N]`` (no BOS) that ``token_chunks`` cuts into chunks, calibration ones then held-out ones.
+    Given as ``[ids]`` in place of ``texts`` (with the same tokenizer and counts), they make the same chunks."""
+    return _calibration_ids(tokenizer, texts, num_tokens, max_length, held_out_tokens, bos_prefix(tokenizer))[0]
+
+
+def _held_out_length(max_length: int) -> int:
+    return min(max_length, HELD_OUT_LENGTH)
+
+
+def _calibration_ids(tokenizer, texts, num_tokens, max_length, held_out_tokens, bos) -> tuple[torch.Tensor, int]:
+    """(the ids of ``calibration_token_ids``, how many of them are calibration tokens)."""
     count = text_tokens_in(num_tokens, max_length, bos)
-    ids = _token_ids(tokenizer, texts, count + text_tokens_in(held_out_tokens, held_out_length, bos))
-    return prefixed_chunks(ids[:count], max_length, bos), prefixed_chunks(ids[count:], held_out_length, bos)
+    held_out = text_tokens_in(held_out_tokens, _held_out_length(max_length), bos)
+    return _token_ids(tokenizer, texts, count + held_out), count
 
 
 def _token_ids(tokenizer, texts, num_tokens: int) -> torch.Tensor:

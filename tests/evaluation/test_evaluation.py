@@ -11,7 +11,7 @@ from helpers import make_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from oscar_hf import OscarConfig, OscarRotations, cli
+from oscar_hf import OscarConfig, OscarRotations, autocalibrate, cli
 from oscar_hf.cli import main
 from oscar_hf.evaluation import METHODS, make_cache, runner
 from oscar_hf.evaluation.gsm8k import evaluate_gsm8k, extract_answer, load_gsm8k
@@ -142,19 +142,30 @@ def test_callers_follow_the_registrys_rule_for_calibration(name, tmp_path, monke
                 make_cache(name, model, calibrated)
             with pytest.raises(ValueError, match=re.escape(method.unmet(calibrated))):
                 run_eval(model, None, "m", [name], [], tmp_path / "out", calibrated=calibrated)
-        bundle_args = ["--rotations", str(tmp_path / "bundle")] if calibrated else []
+        bundle_args = ["--rotations", str(tmp_path / "bundle") if calibrated else "none"]
         with pytest.raises(Loading if runs else SystemExit):
             main(["eval", "--model", "m", "--methods", name, "--out", str(tmp_path / "out"), *bundle_args])
 
 
 def test_cli_eval_runs_every_method_the_bundle_allows(tmp_path, monkeypatch):
-    """Without --methods, ``oscar-hf eval`` runs the methods the registry says can run: without a bundle, the
-    data-free ones (those installed)."""
-    chosen = []
-    monkeypatch.setattr(cli, "load_model", lambda name, dtype: (None, None))
-    monkeypatch.setattr(runner, "run_eval", lambda model, tokenizer, name, methods, *_, **__: chosen.append(methods))
+    """Without --methods, ``oscar-hf eval`` runs the methods the registry says can run: with --rotations none, the
+    data-free ones (those installed); by default (--rotations auto) also those that need a calibrated bundle, on
+    the rotations made for the model on demand, which has no diagnostics."""
+    chosen, made = [], []
+    model = make_model("llama-mha-d64")
+    monkeypatch.setattr(cli, "load_model", lambda name, dtype: (model, "tokenizer"))
+    monkeypatch.setattr(runner, "run_eval", lambda model, tokenizer, name, methods, *_, calibrated, **__:
+                        chosen.append((methods, calibrated)))
+    monkeypatch.setattr(autocalibrate, "rotations_for_model", lambda model, tokenizer: made.append(tokenizer) or
+                        OscarRotations.hadamard(model.config))
+    main(["eval", "--model", "m", "--out", str(tmp_path), "--rotations", "none"])
+    assert chosen == [([m.name for m in METHODS.values() if not m.needs_calibration and m.installed()], None)]
     main(["eval", "--model", "m", "--out", str(tmp_path)])
-    assert chosen == [[m.name for m in METHODS.values() if not m.needs_calibration and m.installed()]]
+    assert chosen[1][0] == [m.name for m in METHODS.values() if m.installed() and not m.needs_diagnostics]
+    assert chosen[1][1].method == "hadamard" and made == ["tokenizer"]
+    with pytest.raises(SystemExit):  # a method the bundle made on demand cannot serve: before the model loads
+        main(["eval", "--model", "m", "--out", str(tmp_path), "--methods", "oscar-k4-half"])
+    assert len(made) == 1
 
 
 def test_perplexity_puts_the_cache_in_the_loop():

@@ -1,0 +1,174 @@
+"""Rotations made on demand (oscar_hf.autocalibrate): ``OscarQuantizedCache.from_pretrained(model=model)`` with no
+bundle calibrates once, saves the bundle in the Hugging Face cache folder, and reuses it; the folder's key follows
+the model's config, revision, the text and the settings; the recipe comes from the model."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from helpers import austen, char_tokenizer, make_model
+
+from oscar_hf import OscarConfig, OscarQuantizedCache, cache_kwargs, rotations_for_model
+from oscar_hf import autocalibrate as auto
+from oscar_hf.calibrate import calibration_token_ids, token_chunks
+from oscar_hf.recipes import recipe_for_model
+
+ARCH = "llama-mha-d64"
+BUDGET = 128  # calibration tokens: the shipped text's first 128 characters with the character tokenizer
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # see test_calibrate.one_thread
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def hf_home(tmp_path, monkeypatch):
+    """The Hugging Face cache folder, moved to a temporary one."""
+    home = tmp_path / "hf-home"
+    monkeypatch.setenv("HF_HOME", str(home))
+    return home
+
+
+@pytest.fixture
+def calibrations(monkeypatch):
+    """Counts the calibrations the on-demand path runs (at a small budget)."""
+    count = []
+    real = auto.calibrate
+
+    def counting(*args, **kwargs):
+        count.append(kwargs["num_tokens"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(auto, "calibrate", counting)
+    monkeypatch.setattr(auto, "DEFAULT_TOKENS", BUDGET)
+    return count
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny Llama saved with a character tokenizer, so that both load from its folder."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    make_model(ARCH).save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
+    return path
+
+
+def load(model_dir) -> transformers.PreTrainedModel:
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def bundles(hf_home) -> list:
+    return sorted(p.relative_to(hf_home) for p in hf_home.glob("oscar-hf/rotations/*/*") if p.is_dir())
+
+
+def test_no_bundle_calibrates_once_into_the_hf_cache_and_reuses_it(model_dir, hf_home, calibrations, capsys):
+    model = load(model_dir)
+    cache = OscarQuantizedCache.from_pretrained(model=model)
+    assert calibrations == [BUDGET]
+    [folder] = bundles(hf_home)
+    assert folder.parts[:3] == ("oscar-hf", "rotations", model_dir.name) and folder.name.startswith("local-")
+    saved = json.loads((hf_home / folder / "oscar_config.json").read_text())
+    assert saved["calibration"]["data"] == auto.SHIPPED_TEXT_NAME and saved["calibration"]["tokens"] == BUDGET
+    assert saved["source_model"] == str(model_dir)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                         **cache_kwargs(model, cache))
+    assert out.shape == (1, 8)
+
+    OscarQuantizedCache.from_pretrained(model=model)  # the same model: remembered in this process
+    OscarQuantizedCache.from_pretrained(model=load(model_dir))  # a fresh one: read back from the folder
+    assert calibrations == [BUDGET] and len(bundles(hf_home)) == 1
+    again = rotations_for_model(load(model_dir))
+    torch.testing.assert_close(again.key_rotation, cache.rotations.key_rotation, rtol=0, atol=0)
+
+
+def test_the_key_follows_config_revision_text_and_budget_but_not_dtype(model_dir, hf_home, calibrations):
+    tokenizer = char_tokenizer()
+    base = load(model_dir)
+    rotations_for_model(base, tokenizer)
+    rotations_for_model(load(model_dir).to(torch.bfloat16), tokenizer)  # the dtype is no part of the key
+    assert len(calibrations) == 1
+    revised = load(model_dir)
+    revised.config._commit_hash = "0123abcd" * 5
+    rotations_for_model(revised, tokenizer)
+    other = make_model(ARCH, num_hidden_layers=3)
+    other.config._name_or_path = str(model_dir)  # the same name, another config
+    rotations_for_model(other, tokenizer)
+    rotations_for_model(load(model_dir), tokenizer, [austen(4000)[1000:]])  # other text
+    rotations_for_model(load(model_dir), tokenizer, num_tokens=BUDGET // 2)  # another budget
+    assert len(calibrations) == 5
+    folders = bundles(hf_home)
+    assert len(folders) == 5 and {f.parent.name for f in folders} == {model_dir.name}
+    assert sum(f.name.startswith("0123abcd") for f in folders) == 1
+
+
+def test_calibration_texts_and_tokenizer_arguments(hf_home, calibrations):
+    model = make_model(ARCH)  # made from a config: no name to load a tokenizer from
+    with pytest.raises(ValueError, match="pass tokenizer="):
+        OscarQuantizedCache.from_pretrained(model=model)
+    cache = OscarQuantizedCache.from_pretrained(model=model, tokenizer=char_tokenizer(),
+                                                calibration_texts=[austen(2000)])
+    assert cache.rotations.calibration["data"] == "texts given to oscar_hf" and calibrations == [BUDGET]
+    assert [f.parent.name for f in bundles(hf_home)] == ["unnamed"]
+    with pytest.raises(ValueError, match="go with no src"):
+        OscarQuantizedCache.from_pretrained(cache.rotations, model=model, tokenizer=char_tokenizer())
+
+
+def test_an_unreadable_bundle_is_made_again(model_dir, hf_home, calibrations):
+    found = auto.cached_rotations(load(model_dir), char_tokenizer())
+    (found.path / "rotations.safetensors").write_bytes(b"broken")
+    again = auto.cached_rotations(load(model_dir), char_tokenizer())
+    assert again.calibrated and again.path == found.path and len(calibrations) == 2
+    assert not auto.cached_rotations(load(model_dir), char_tokenizer()).calibrated
+
+
+def test_the_cache_folder_is_under_hf_home(hf_home):
+    assert auto.rotations_cache_dir() == hf_home / "oscar-hf" / "rotations"
+
+
+def test_settings_come_from_the_models_recipe_with_the_default_budget():
+    recipe, settings, config = auto.calibration_settings("/cache/smollm2-135m-instruct-bcc81830d10c")
+    assert recipe.name == "smollm2-135m" and config == recipe.cache
+    assert settings == {**recipe.calibrate_kwargs(), "num_tokens": auto.DEFAULT_TOKENS}
+    recipe, settings, config = auto.calibration_settings(make_model(ARCH))
+    assert recipe is None and config == OscarConfig()
+    assert (settings["k_target"], settings["v_target"], settings["num_tokens"]) == ("qqt", "sst", auto.DEFAULT_TOKENS)
+
+
+@pytest.mark.parametrize("name, recipe", [
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m"),
+    ("/root/.cache/oscar_hf/smollm2-135m-instruct-bcc81830d10c", "smollm2-135m"),
+    ("Qwen/Qwen3-8B", "qwen3-8b"),
+    ("/models/qwen3-8b/", "qwen3-8b"),
+    ("google/gemma-3-270m", "gemma3-270m"),
+    ("google/gemma-3-270m-it", "gemma-3"),
+    ("/tmp/gemma-3-270m-2ce8a8889efc", "gemma3-270m"),
+    ("org/some-other-model", None),
+    ("", None),
+])
+def test_recipe_for_model_by_name(name, recipe):
+    found = recipe_for_model(name)
+    assert (found.name if found else None) == recipe
+
+
+def test_recipe_for_model_by_family():
+    config = transformers.Gemma3TextConfig(num_hidden_layers=2)
+    config._name_or_path = "/models/my-finetune"
+    assert recipe_for_model(config).name == "gemma-3"
+    assert recipe_for_model(make_model(ARCH)) is None
+
+
+def test_calibration_token_ids_make_the_same_chunks_as_the_texts():
+    for tokenizer in (char_tokenizer(), char_tokenizer(bos=True)):
+        texts = [austen(700), austen(1500)[700:]]
+        ids = calibration_token_ids(tokenizer, texts, 500, 128, held_out_tokens=300)
+        for got, expected in zip(token_chunks(tokenizer, [ids], 500, 128, 300), token_chunks(tokenizer, texts, 500,
+                                                                                             128, 300)):
+            assert [c.tolist() for c in got] == [c.tolist() for c in expected]
