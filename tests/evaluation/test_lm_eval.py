@@ -199,10 +199,8 @@ def test_the_hook_registers_when_lm_eval_models_is_already_imported(monkeypatch)
 
 @pytest.mark.parametrize("model_args, argument", [
     ({"method": "int3"}, "method"),
-    ({}, "rotations"),
-    ({"method": "oscar-lloyd-max"}, "rotations"),
-    ({"method": "oscar-channel-k"}, "rotations"),
     ({"rotations": "ROTATIONS", "k_clip": 2.0}, "k_clip"),
+    ({"k_clip": 2.0}, "k_clip"),  # before calibrating on demand
     ({"method": "bf16", "recent_tokens": 8}, "recent_tokens"),
 ])
 def test_bad_model_args_name_the_argument(assets, model_args, argument):
@@ -212,16 +210,25 @@ def test_bad_model_args_name_the_argument(assets, model_args, argument):
 
 
 @pytest.mark.parametrize("name", list(METHODS))
-def test_methods_need_rotations_as_the_registry_says(assets, name):
-    """hf-oscar refuses a method without ``rotations=`` exactly when the registry's Method cannot run without a
-    bundle (``Method.needs_calibration``, or a package that is not installed), and before loading the model."""
+def test_methods_without_rotations(assets, name, tmp_path, monkeypatch):
+    """Without ``rotations=``, a data-free method runs as it is, a calibrated one calibrates the model on demand (once,
+    into the Hugging Face cache folder), and a method whose package is missing is refused before the model loads."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     method = METHODS[name]
-    if method.runs_with(None):
-        lm = OscarHFLM(pretrained=assets["model"], device="cpu", method=name)
-        assert lm.get_model_info()["oscar_method"] == name
-    else:
-        with pytest.raises(ValueError, match="rotations=" if method.needs_calibration else "pip install"):
+    if not method.installed():
+        with pytest.raises(ValueError, match="pip install"):
             OscarHFLM(pretrained="/nonexistent/model", device="cpu", method=name)
+        return
+    if method.needs_diagnostics:  # the on-demand bundle carries none
+        with pytest.raises(ValueError, match="diagnostics"):
+            OscarHFLM(pretrained=assets["model"], device="cpu", method=name)
+        return
+    lm = OscarHFLM(pretrained=assets["model"], device="cpu", method=name)
+    info = lm.get_model_info()
+    assert info["oscar_method"] == name
+    assert info["oscar_rotations"] == ("on demand" if method.needs_calibration else None)
+    if method.needs_calibration:
+        assert any((tmp_path / "hf").rglob("rotations.safetensors")), "the bundle is kept in the HF cache folder"
 
 
 def test_pretrained_takes_the_pypi_model_names(assets, monkeypatch):
