@@ -41,7 +41,13 @@ SHAPES = {  # name: (query heads, KV heads, head_dim)
     "qwen3-8b": (32, 8, 128),
     "llama3.2-1b-d64": (32, 8, 64),
     "d256-16q4kv": (16, 4, 256),
+    "gpt-oss-20b": (64, 8, 64),
+    "gemma2-9b": (16, 8, 256),
 }
+# The attention terms a shape's model adds (decode's keyword arguments): gpt-oss's learned sink logit per query head,
+# Gemma-2's logit soft-capping. The SDPA baseline reads the same bytes without them (SDPA has neither).
+EXTRAS = {"gpt-oss-20b": lambda hq: {"sinks": torch.randn(hq, device=DEVICE)},
+          "gemma2-9b": lambda hq: {"softcap": 50.0}}
 SINK, RECENT = 64, 256
 
 
@@ -283,15 +289,17 @@ def sweep_configs(batch: int, d: int, fast_ok: bool) -> list[DecodeConfig]:
     return configs + ([replace(base, fast_unpack=False)] if fast_ok else [])
 
 
-def time_configs(batch: int, hq: int, heads: int, d: int, n_hist: int, configs) -> tuple[list, list]:
+def time_configs(batch: int, hq: int, heads: int, d: int, n_hist: int, configs, extras=None) -> tuple[list, list]:
     """(:class:`GraphTime` of CUDA graphs over rotated input sets, eager ms of one call) per config; the queries
-    used."""
+    used. ``extras``: decode's keyword arguments (sinks, softcap)."""
+    extras = extras or {}
     n_sets = rotations(packed_bytes(batch, hq, heads, d, n_hist))
     layers = [synthetic_packed(batch, heads, d, n_hist) for _ in range(n_sets)]
     queries = [torch.randn(batch, hq, 1, d, dtype=torch.bfloat16, device=DEVICE) for _ in range(n_sets)]
     times = []
     for config in configs:
-        calls = [lambda q=q, packed=packed: decode(q, packed, None, None, config) for q, packed in zip(queries, layers)]
+        calls = [lambda q=q, packed=packed: decode(q, packed, None, None, config, **extras)
+                 for q, packed in zip(queries, layers)]
         times.append((graph_time(calls), eager_time(calls[0])))
     return times, queries
 
@@ -332,7 +340,8 @@ def bench_decode(shape: str, batch: int, context: int, copy_gbps: float, fast_ok
         print(f"{shape:16s} B={batch:<3d} T={context:<7d} skipped: does not fit in GPU memory")
         return []
     configs = sweep_configs(batch, d, fast_ok)
-    times, queries = time_configs(batch, hq, heads, d, n_hist, configs)
+    extras = EXTRAS[shape](hq) if shape in EXTRAS else {}
+    times, queries = time_configs(batch, hq, heads, d, n_hist, configs, extras)
     sdpa = sdpa_time(queries, batch, heads, context, d)
     (sdpa_ms, sdpa_kind), (steady_sdpa_ms, steady_sdpa_kind) = sdpa["flushed"], sdpa["steady"]
     read = read_time(size)
@@ -352,7 +361,7 @@ def bench_decode(shape: str, batch: int, context: int, copy_gbps: float, fast_ok
                      "steady_sdpa_ms": steady_sdpa_ms, "steady_sdpa_kind": steady_sdpa_kind,
                      "steady_speedup_vs_sdpa": steady_sdpa_ms / steady_ms, "steady_read_ms": read.steady,
                      "steady_read_frac_copy_bw": size / (read.steady * 1e-3) / 1e9 / copy_gbps,
-                     "rotations": rotations(size), **clocks})
+                     "rotations": rotations(size), "extras": "+".join(extras) or "none", **clocks})
     best = min(rows, key=lambda r: r["kernel_ms"])
     print(f"{shape:16s} B={batch:<3d} T={context:<7d} {best['kernel_ms']:8.4f} ms {best['GBps']:7.0f} GB/s "
           f"{100 * best['frac_copy_bw']:5.1f}% copy  sdpa {sdpa_ms:8.4f} ms ({sdpa_kind}) "
@@ -449,6 +458,7 @@ def main():
     elif ARGS.quick:
         grid = [("qwen3-8b", b, t) for b in (1, 8) for t in (32768, 131072)]
         grid += [("qwen3-8b", 32, 32768), ("llama3.2-1b-d64", 8, 32768), ("d256-16q4kv", 8, 32768)]
+        grid += [("gpt-oss-20b", 1, 131072), ("gpt-oss-20b", 8, 32768), ("gemma2-9b", 8, 32768)]
     else:
         grid = [(s, b, t) for s in SHAPES for b in (1, 8, 32) for t in (4096, 16384, 32768, 131072)]
     if ARGS.shapes:
