@@ -72,7 +72,7 @@ def cmd_calibrate(args) -> None:
         raise SystemExit("error: --key-bits-fraction takes a number in [0, 1] and needs --key-bits")
     recipe = load_recipe(args.recipe) if args.recipe else None
     settings = recipe.calibrate_kwargs() if recipe else {}
-    for key in ("num_tokens", "max_length", "k_target", "v_target", "composition", "eigen_order"):
+    for key in ("num_tokens", "max_length", "k_target", "v_target", "composition", "eigen_order", "per_head"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
     texts = load_texts(args.data)  # first: a missing file or package fails before the model loads
@@ -118,7 +118,8 @@ def cmd_info(args) -> None:
     rotations = OscarRotations.from_pretrained(args.bundle, subfolder=args.subfolder)
     config = rotations.config
     print(rotations)
-    print(f"key_rotation {tuple(rotations.key_rotation.shape)}, value_rotation {tuple(rotations.value_rotation.shape)}")
+    print(f"key_rotation {tuple(rotations.key_rotation.shape)}, value_rotation {tuple(rotations.value_rotation.shape)}"
+          f" ({'one per layer and KV head' if rotations.per_head else 'one per layer'})")
     print(f"calibration: {json.dumps(rotations.calibration)}")
     if config is None:
         from .config import OscarConfig
@@ -213,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--v-target")
     cal.add_argument("--composition")
     cal.add_argument("--eigen-order")
+    cal.add_argument("--per-head", action=argparse.BooleanOptionalAction, default=None,
+                     help="one rotation per layer and KV head (--no-per-head: one per layer; default: the recipe's, "
+                          "else one per layer)")
     cal.add_argument("--key-bits", type=int, choices=(2, 4), help="K's bits in the bundle's recommended config")
     cal.add_argument("--key-bits-fraction", type=float, metavar="F",
                      help="with --key-bits: only in this fraction of the layers, those whose diagnostics show the "

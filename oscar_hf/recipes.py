@@ -11,7 +11,8 @@ from .config import OscarConfig
 
 # Installed wheels carry recipes/ as oscar_hf/_recipes; a source checkout has it beside the package.
 RECIPE_DIRS = (Path(__file__).parent / "_recipes", Path(__file__).parent.parent / "recipes")
-CALIBRATION_KEYS = ("data", "num_tokens", "max_length", "k_target", "v_target", "composition", "eigen_order")
+CALIBRATION_KEYS = ("data", "num_tokens", "max_length", "k_target", "v_target", "composition", "eigen_order",
+                    "per_head")
 
 
 @dataclasses.dataclass
