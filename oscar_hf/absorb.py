@@ -2,8 +2,9 @@
 
 Per KV head block of ``v_proj`` (rows ``[h·D, (h+1)·D)``): ``W ← R_Vᵀ·W`` and ``b ← b·R_V``, so
 v_proj already emits ``v·R_V``; per query head block of ``o_proj``'s input columns:
-``W_o ← W_o·R_V``, so o_proj takes the attention output in the rotated basis. Exact in real
-arithmetic (computed in float64, cast back to the weight dtype).
+``W_o ← W_o·R_V``, so o_proj takes the attention output in the rotated basis. ``R_V`` is the layer's,
+or with per-KV-head rotations each block's KV head's (query head ``h·g + r``: KV head ``h``'s). Exact
+in real arithmetic (computed in float64, cast back to the weight dtype).
 """
 
 from __future__ import annotations
@@ -32,22 +33,23 @@ def absorb_value_rotation(model: torch.nn.Module, rotations: OscarRotations) -> 
             f"for {shape.num_layers} layers"
         )
     value_rotation = rotations.value_rotation.clone()
-    d = shape.head_dim
+    d, heads = shape.head_dim, shape.num_kv_heads
     for attention in attentions:
         i = attention.layer_idx
         if shape.layer_types[i] != "full_attention":
             continue
         r = rotations.value_rotation[i].double().to(attention.v_proj.weight.device)
+        r = r.expand(heads, d, d)  # [H, D, D]: each KV head's (the layer's, where they share it)
         v_weight = attention.v_proj.weight  # [H·D, hidden]
-        blocks = v_weight.double().reshape(shape.num_kv_heads, d, -1)
+        blocks = v_weight.double().reshape(heads, d, -1)
         v_weight.copy_((r.mT @ blocks).reshape_as(v_weight))
         if attention.v_proj.bias is not None:
             bias = attention.v_proj.bias
-            bias.copy_((bias.double().reshape(shape.num_kv_heads, d) @ r).reshape_as(bias))
+            bias.copy_((bias.double().reshape(heads, 1, d) @ r).reshape_as(bias))
         o_weight = attention.o_proj.weight  # [hidden, Hq·D]
-        columns = o_weight.double().reshape(o_weight.shape[0], shape.num_heads, d)
-        o_weight.copy_((columns @ r).reshape_as(o_weight))
-        value_rotation[i] = torch.eye(d)
+        columns = o_weight.double().reshape(o_weight.shape[0], heads, shape.num_heads // heads, d)
+        o_weight.copy_(torch.einsum("ohgd,hde->ohge", columns, r).reshape_as(o_weight))
+        value_rotation[i] = torch.eye(d).expand_as(value_rotation[i])
     return OscarRotations(
         rotations.key_rotation,
         value_rotation,

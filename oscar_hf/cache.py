@@ -4,7 +4,8 @@ Per full-attention layer and KV head the cached sequence is ``sink ‖ history �
 :class:`~oscar_hf.kernels.PackedKV`'s layout:
 
 * ``sink``    model dtype ``[B, H, ≤ sink_tokens, D]``: the first tokens, as the model produced them;
-* ``history`` rotated (``k @ R_K``, ``v @ R_V``) packed codes with scales and zeros, per token (and per channel for K
+* ``history`` rotated (``k @ R_K``, ``v @ R_V``; ``R [D, D]`` shared by the layer's KV heads, or ``[H, D, D]``, one
+  per KV head) packed codes with scales and zeros, per token (and per channel for K
   with per-channel keys: the K layout, :mod:`oscar_hf.layouts`); ``center`` fp32 ``[B, H, 1, D]`` per centered side,
   set by the first tokens to reach an empty history, which then stores ``x @ R - center``;
 * ``recent``  model dtype ``[B, H, ≤ recent_tokens + flush_tokens - 1, D]``: the newest tokens, as the model produced
@@ -48,7 +49,9 @@ SIDES = ("key", "value")
 
 
 def _is_identity(rotation: torch.Tensor) -> bool:
-    return torch.equal(rotation, torch.eye(rotation.shape[-1], dtype=rotation.dtype, device=rotation.device))
+    """Whether ``rotation`` (``[D, D]``, or ``[H, D, D]`` per KV head) is the identity (every head's)."""
+    eye = torch.eye(rotation.shape[-1], dtype=rotation.dtype, device=rotation.device)
+    return torch.equal(rotation, eye.expand(rotation.shape))
 
 
 @dataclass
@@ -184,6 +187,8 @@ class OscarLayer(CacheLayerMixin):
     graph_step = False  # decode steps as device-only operators
 
     def __init__(self, config: OscarConfig, key_rotation: torch.Tensor, value_rotation: torch.Tensor):
+        """``key_rotation``, ``value_rotation``: the layer's ``[D, D]`` (shared by its KV heads) or ``[H, D, D]`` (one
+        per KV head)."""
         super().__init__()
         if config.key_bits_layers is not None:
             raise ValueError("an OSCAR layer takes one layer's config: pass OscarConfig.for_layer(layer_idx), which "
@@ -219,13 +224,18 @@ class OscarLayer(CacheLayerMixin):
         return self.config.recent_tokens + self.config.flush_tokens - 1
 
     def rotation(self, side: str) -> torch.Tensor | None:
-        """The history basis of ``side`` in the model dtype, or None for an identity rotation (no GEMM)."""
+        """The history basis of ``side`` in the model dtype (``[D, D]`` or ``[H, D, D]``), or None for an identity
+        rotation (no GEMM)."""
         if side == "key":
             return self.key_rotation if self.rotates_keys else None
         return self.value_rotation if self.rotates_values else None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, dim = key_states.shape
+        for rotation in (self.key_rotation, self.value_rotation):
+            if rotation.shape[-1] != dim or (rotation.ndim == 3 and rotation.shape[0] != heads):
+                raise ValueError(f"a rotation {tuple(rotation.shape)} does not fit K/V of {heads} heads of "
+                                 f"head_dim {dim}")
         self.dtype, self.device = key_states.dtype, key_states.device
         self._packed = None
         cfg = self.config

@@ -5,8 +5,10 @@ rotated to where queries look. V target (default "sst"): the value covariance we
 by ``w_t = k_t·C_h·k_tᵀ`` (the OSCAR reference's proxy for softmax-weighted values; ``C_h`` the
 query covariance of head h, weights normalized to mean 1), which needs a second pass; "softmax"
 is the exact ``VᵀSᵀSV`` (the covariance of the attention outputs). Moments are accumulated in
-float64, averaged over KV heads (one rotation per layer), eigendecomposed, and composed as
-``R = U·H·P``: eigenvectors, normalized Hadamard, bit-reversal permutation by eigenvalue rank.
+float64 per KV head (a KV head's query moments summed over its GQA group), then averaged over the
+KV heads (one rotation per layer) or, with ``per_head``, kept per KV head (one rotation per layer
+and KV head), eigendecomposed, and composed as ``R = U·H·P``: eigenvectors, normalized Hadamard,
+bit-reversal permutation by eigenvalue rank.
 
 Data-parallel with accelerate: each process takes a contiguous share of the chunks and the sums
 are reduced with ``reduction="sum"``, so N processes give one process's result.
@@ -246,6 +248,7 @@ def calibrate(
     diagnostic_tokens: int = 2048,
     config: OscarConfig | None = None,
     show_progress: bool = True,
+    per_head: bool = False,
 ) -> OscarRotations:
     """Make OSCAR rotations for ``model`` from its own activations on ``texts``.
 
@@ -261,8 +264,12 @@ def calibrate(
         diagnostic_tokens: held-out tokens after the calibration ones for per-layer diagnostics
             (stored in ``rotations.diagnostics``); 0 skips them.
         config: the OscarConfig the diagnostics use, stored in the bundle as its recommendation.
+        per_head: one rotation per layer and KV head, each from its own head's covariance (K: its query group's
+            queries, or its keys; V: its values, weighted by its own query covariance for "sst"), instead of one per
+            layer from the covariance averaged over the KV heads.
     Returns:
-        OscarRotations with float32 ``[layers, D, D]`` rotations and ascending eigenvalues.
+        OscarRotations with float32 ``[layers, D, D]`` rotations (``[layers, H, D, D]`` per head) and ascending
+        eigenvalues.
     """
     for name, value, allowed in (
         ("k_target", k_target, K_TARGETS),
@@ -271,6 +278,8 @@ def calibrate(
     ):
         if value not in allowed:
             raise ValueError(f"{name} must be one of {allowed}; got {value!r}")
+    if not isinstance(per_head, bool):
+        raise ValueError(f"per_head must be True or False; got {per_head!r}")
     for name, value in (("num_tokens", num_tokens), ("max_length", max_length), ("batch_size", batch_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer; got {value!r}")
@@ -287,29 +296,36 @@ def calibrate(
     sums = _reduce(moments.sums)
     group = shape.num_heads // shape.num_kv_heads
 
-    def head_mean(layer: int, name: str, per_row: float) -> torch.Tensor:
-        return (sums[f"{layer}.{name}"] / (sums[f"{layer}.tokens"] * per_row)).mean(0).cpu()
-
     if v_target == "sst":
         query_cov = {i: sums[f"{i}.qq"] / (sums[f"{i}.tokens"] * group) for i in range(shape.num_layers)}
         weighted = MomentObserver((), shape, device, query_cov=query_cov)
         _forward_all(model, weighted, chunks, batch_size, "calibrate (pass 2)", show_progress)
         sums.update(_reduce(weighted.sums))
 
-    def covariance(layer: int, target: str) -> torch.Tensor:
+    def covariances(layer: int, target: str) -> list[torch.Tensor]:
+        """The layer's covariances ``[D, D]`` of ``target``: one per KV head, or their mean."""
         if target == "sst":
-            return (sums[f"{layer}.wvv"] / sums[f"{layer}.wsum"][:, None, None]).mean(0).cpu()
-        name, per_row = {"qqt": ("qq", group), "ktk": ("kk", 1), "vtv": ("vv", 1), "softmax": ("oo", group)}[target]
-        return head_mean(layer, name, per_row)
+            per_kv_head = sums[f"{layer}.wvv"] / sums[f"{layer}.wsum"][:, None, None]
+        else:
+            name, per_row = {"qqt": ("qq", group), "ktk": ("kk", 1), "vtv": ("vv", 1), "softmax": ("oo", group)}[
+                target]
+            per_kv_head = sums[f"{layer}.{name}"] / (sums[f"{layer}.tokens"] * per_row)
+        per_kv_head = per_kv_head.cpu()
+        return list(per_kv_head) if per_head else [per_kv_head.mean(0)]
+
+    heads = (shape.num_kv_heads,) if per_head else ()
 
     def rotations_for(target: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotations ``[layers, (H,) D, D]`` and eigenvalues ``[layers, (H,) D]`` for ``target``."""
+        d = shape.head_dim
         if target in DATA_FREE:
-            matrix = DATA_FREE[target](shape.head_dim).double()
-            return matrix.expand(shape.num_layers, -1, -1), torch.zeros(shape.num_layers, shape.head_dim)
-        pairs = [
-            rotation_from_covariance(covariance(i, target), composition, eigen_order) for i in range(shape.num_layers)
-        ]
-        return torch.stack([r for r, _ in pairs]), torch.stack([v for _, v in pairs])
+            matrix = DATA_FREE[target](d).double()
+            return matrix.expand(shape.num_layers, *heads, d, d), torch.zeros(shape.num_layers, *heads, d)
+        pairs = [[rotation_from_covariance(cov, composition, eigen_order) for cov in covariances(i, target)]
+                 for i in range(shape.num_layers)]
+        rotation = torch.stack([torch.stack([r for r, _ in layer]) for layer in pairs])  # [layers, H or 1, D, D]
+        values = torch.stack([torch.stack([v for _, v in layer]) for layer in pairs])
+        return (rotation, values) if per_head else (rotation[:, 0], values[:, 0])
 
     key_rotation, key_eigenvalues = rotations_for(k_target)
     value_rotation, value_eigenvalues = rotations_for(v_target)
@@ -328,6 +344,7 @@ def calibrate(
             "v_target": v_target,
             "composition": composition,
             "eigen_order": eigen_order,
+            "per_head": per_head,
         },
         config=config,
     )

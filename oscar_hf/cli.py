@@ -114,7 +114,7 @@ def cmd_calibrate(args) -> None:
     if args.recipe == "auto":
         recipe = recipe_for_model(source_model_id(args.model)) or recipe_for_model(model)
     settings = recipe.calibrate_kwargs() if recipe else {}
-    for key in ("num_tokens", "max_length", "k_target", "v_target", "composition", "eigen_order"):
+    for key in ("num_tokens", "max_length", "k_target", "v_target", "composition", "eigen_order", "per_head"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
     if _state().is_main_process:
@@ -168,7 +168,8 @@ def cmd_info(args) -> None:
     rotations = OscarRotations.from_pretrained(args.bundle, subfolder=args.subfolder)
     config = rotations.config
     print(rotations)
-    print(f"key_rotation {tuple(rotations.key_rotation.shape)}, value_rotation {tuple(rotations.value_rotation.shape)}")
+    print(f"key_rotation {tuple(rotations.key_rotation.shape)}, value_rotation {tuple(rotations.value_rotation.shape)}"
+          f" ({'one per layer and KV head' if rotations.per_head else 'one per layer'})")
     print(f"calibration: {json.dumps(rotations.calibration)}")
     if config is None:
         from .config import OscarConfig
@@ -320,6 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--composition", help="the rotation's factors in order, from U (eigenvectors), H (Hadamard), "
                                            "P (bit reversal) (default: the recipe's, else UHP)")
     cal.add_argument("--eigen-order", help=f"one of {', '.join(EIGEN_ORDERS)} (default: the recipe's, else ascending)")
+    cal.add_argument("--per-head", action=argparse.BooleanOptionalAction, default=None,
+                     help="one rotation per layer and KV head (--no-per-head: one per layer; default: the recipe's, "
+                          "else one per layer)")
     cal.add_argument("--diagnostic-tokens", type=int, default=2048,
                      help="held-out tokens after the calibration ones for per-layer diagnostics (0: none)")
     cal.add_argument("--key-bits", type=int, choices=(2, 4),

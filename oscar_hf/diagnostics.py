@@ -49,18 +49,18 @@ class DiagnosticsObserver:
 
     def observe(self, layer_idx, query, key, value, output, scaling) -> None:
         cfg, device = self.config.for_layer(layer_idx), key.device
-        r_k = self.rotations.key_rotation[layer_idx].to(device)
+        r_k = self.rotations.key_rotation[layer_idx].to(device)  # [D, D], or [H, D, D] per KV head
         r_v = self.rotations.value_rotation[layer_idx].to(device)
         k, v = key.float() @ r_k, value.float() @ r_v
         k_hat, v_hat = self._quantized(k, cfg.k_clip, "key", cfg), self._quantized(v, cfg.v_clip, "value", cfg)
         b, h, t, d = k.shape
-        q = (query.float() @ r_k).reshape(b, h, -1, t, d)  # [B, H, g, T, D]
+        q = (query.float().reshape(b, h, -1, d) @ r_k).reshape(b, h, -1, t, d)  # [B, H, g, T, D], each KV head's R
         causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
         log_p = (torch.einsum("bhgtd,bhsd->bhgts", q, k) * scaling).masked_fill(~causal, -torch.inf).log_softmax(-1)
         log_p_hat = (torch.einsum("bhgtd,bhsd->bhgts", q, k_hat) * scaling).masked_fill(~causal, -torch.inf)
         log_p_hat = log_p_hat.log_softmax(-1)
         kl = (log_p.exp() * (log_p - log_p_hat)).nan_to_num().sum(-1).mean()
-        out = output.float().reshape(b, h, -1, t, d) @ r_v
+        out = (output.float().reshape(b, h, -1, d) @ r_v).reshape(b, h, -1, t, d)
         out_hat = torch.einsum("bhgts,bhsd->bhgtd", log_p_hat.exp(), v_hat)
         values = {
             "k_error": float(((k_hat - k) ** 2).sum() / (k**2).sum()),

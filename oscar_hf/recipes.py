@@ -13,7 +13,8 @@ from .config import OscarConfig
 RECIPE_DIRS = (Path(__file__).parent / "_recipes", Path(__file__).parent.parent / "recipes")
 # model_type -> the recipe for a model of that family that no recipe names (recipe_for_model)
 FAMILY_RECIPES = {"gemma3": "gemma-3", "gemma3_text": "gemma-3"}
-CALIBRATION_KEYS = ("data", "num_tokens", "max_length", "k_target", "v_target", "composition", "eigen_order")
+CALIBRATION_KEYS = ("data", "num_tokens", "max_length", "k_target", "v_target", "composition", "eigen_order",
+                    "per_head")
 
 
 @dataclasses.dataclass

@@ -1,9 +1,14 @@
-"""OscarRotations: the per-layer K and V rotations a cache applies, saved as a small Hub-ready bundle.
+"""OscarRotations: the K and V rotations a cache applies, per layer or per layer and KV head, saved as a small
+Hub-ready bundle.
 
 A bundle is a folder with ``oscar_config.json`` (metadata, and optionally the recommended
-OscarConfig), ``rotations.safetensors`` (float32 ``key_rotation``/``value_rotation``
-``[layers, D, D]`` and their eigenvalues ``[layers, D]``), a ``README.md`` model card and, after
-calibration, ``diagnostics.json``. Rows are rotated on the right: ``k_rot = k @ key_rotation[layer]``.
+OscarConfig), ``rotations.safetensors`` (float32 ``key_rotation``/``value_rotation``: ``[layers, D, D]``, one
+rotation per layer shared by its KV heads, or ``[layers, H, D, D]``, one per KV head; their eigenvalues
+``[layers, D]`` or ``[layers, H, D]``), a ``README.md`` model card and, after calibration, ``diagnostics.json``.
+Rows are rotated on the right: ``k_rot = k @ key_rotation[layer]`` (``[B, H, T, D] @ [H, D, D]`` broadcasts).
+
+``format_version`` 1 holds shared rotations only; 2 adds per-KV-head ones. A bundle is written with the lowest
+version that holds it (shared bundles stay readable by older oscar-hf); both load.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ CONFIG_NAME = "oscar_config.json"
 WEIGHTS_NAME = "rotations.safetensors"
 DIAGNOSTICS_NAME = "diagnostics.json"
 CARD_NAME = "README.md"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest: per-KV-head rotations
+SHARED_FORMAT_VERSION = 1  # shared (per-layer) rotations only
 ORTHOGONALITY_TOLERANCE = 1e-4
 
 
@@ -38,11 +44,14 @@ def hadamard_matrix(n: int) -> torch.Tensor:
 
 
 class OscarRotations:
-    """Per-layer rotations ``R_K`` and ``R_V`` (float32 ``[layers, D, D]``), eigenvalues and metadata.
+    """Rotations ``R_K`` and ``R_V`` per layer (float32 ``[layers, D, D]``, shared by the layer's KV heads) or per
+    layer and KV head (``[layers, H, D, D]``: ``per_head``), their eigenvalues and metadata.
 
     Args:
-        key_rotation, value_rotation: orthogonal matrices ``[layers, head_dim, head_dim]``.
-        key_eigenvalues, value_eigenvalues: ``[layers, head_dim]``, or None (zeros) for data-free bundles.
+        key_rotation, value_rotation: orthogonal matrices ``[layers, head_dim, head_dim]`` or
+            ``[layers, num_kv_heads, head_dim, head_dim]``, both alike.
+        key_eigenvalues, value_eigenvalues: the rotations' shape without the last dim (``[layers, head_dim]`` or
+            ``[layers, num_kv_heads, head_dim]``), or None (zeros) for data-free bundles.
         num_kv_heads: KV heads of the model the bundle was made for.
         source_model: name or path of that model.
         method: how the rotations were made ("identity", "hadamard", "oscar", ...).
@@ -72,10 +81,13 @@ class OscarRotations:
                 f"value_rotation shape {tuple(self.value_rotation.shape)} differs from "
                 f"key_rotation shape {tuple(self.key_rotation.shape)}"
             )
-        layers, dim = self.key_rotation.shape[:2]
-        self.key_eigenvalues = self._checked_eigenvalues("key_eigenvalues", key_eigenvalues, layers, dim)
-        self.value_eigenvalues = self._checked_eigenvalues("value_eigenvalues", value_eigenvalues, layers, dim)
+        shape = tuple(self.key_rotation.shape[:-1])
+        self.key_eigenvalues = self._checked_eigenvalues("key_eigenvalues", key_eigenvalues, shape)
+        self.value_eigenvalues = self._checked_eigenvalues("value_eigenvalues", value_eigenvalues, shape)
         self.num_kv_heads = int(num_kv_heads)
+        if self.per_head and self.key_rotation.shape[1] != self.num_kv_heads:
+            raise ValueError(f"per-KV-head rotations {tuple(self.key_rotation.shape)} have "
+                             f"{self.key_rotation.shape[1]} heads, but num_kv_heads is {self.num_kv_heads}")
         self.source_model = source_model
         self.method = method
         self.calibration = dict(calibration or {})
@@ -84,28 +96,31 @@ class OscarRotations:
 
     @staticmethod
     def _checked_rotation(name: str, rotation: torch.Tensor) -> torch.Tensor:
-        if not isinstance(rotation, torch.Tensor) or rotation.ndim != 3 or rotation.shape[1] != rotation.shape[2]:
+        if (not isinstance(rotation, torch.Tensor) or rotation.ndim not in (3, 4)
+                or rotation.shape[-1] != rotation.shape[-2]):
             shape = tuple(rotation.shape) if isinstance(rotation, torch.Tensor) else type(rotation).__name__
-            raise ValueError(f"{name} must be a tensor [layers, head_dim, head_dim]; got {shape}")
+            raise ValueError(f"{name} must be a tensor [layers, head_dim, head_dim] or [layers, num_kv_heads, "
+                             f"head_dim, head_dim]; got {shape}")
         rotation = rotation.detach().to("cpu", torch.float32, copy=True).contiguous()
         if not bool(torch.isfinite(rotation).all()):
             raise ValueError(f"{name} contains NaN or inf")
         eye = torch.eye(rotation.shape[-1], dtype=torch.float64)
-        error = (rotation.double().mT @ rotation.double() - eye).abs().amax(dim=(1, 2))
+        error = (rotation.double().mT @ rotation.double() - eye).abs().amax(dim=(-2, -1))
         if bool((error > ORTHOGONALITY_TOLERANCE).any()):
-            layer = int(error.argmax())
+            index = [int(i) for i in torch.unravel_index(error.argmax(), error.shape)]
+            where = f"layer {index[0]}" + (f", KV head {index[1]}" if len(index) > 1 else "")
             raise ValueError(
-                f"{name} of layer {layer} is not orthogonal: max |RᵀR - I| = {float(error[layer]):.2e} "
+                f"{name} of {where} is not orthogonal: max |RᵀR - I| = {float(error[tuple(index)]):.2e} "
                 f"(tolerance {ORTHOGONALITY_TOLERANCE:g})"
             )
         return rotation
 
     @staticmethod
-    def _checked_eigenvalues(name: str, values: torch.Tensor | None, layers: int, dim: int) -> torch.Tensor:
+    def _checked_eigenvalues(name: str, values: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
         if values is None:
-            return torch.zeros(layers, dim)
-        if tuple(values.shape) != (layers, dim):
-            raise ValueError(f"{name} must have shape {(layers, dim)}; got {tuple(values.shape)}")
+            return torch.zeros(shape)
+        if tuple(values.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}; got {tuple(values.shape)}")
         return values.detach().to("cpu", torch.float32, copy=True).contiguous()
 
     @property
@@ -116,10 +131,20 @@ class OscarRotations:
     def head_dim(self) -> int:
         return self.key_rotation.shape[-1]
 
+    @property
+    def per_head(self) -> bool:
+        """Whether each KV head has its own rotations (``[layers, H, D, D]``), rather than its layer's."""
+        return self.key_rotation.ndim == 4
+
+    @property
+    def format_version(self) -> int:
+        """The ``format_version`` this bundle is saved with: the lowest that holds it."""
+        return FORMAT_VERSION if self.per_head else SHARED_FORMAT_VERSION
+
     def __repr__(self) -> str:
         return (
             f"OscarRotations(method={self.method!r}, layers={self.num_layers}, head_dim={self.head_dim}, "
-            f"num_kv_heads={self.num_kv_heads}, source_model={self.source_model!r})"
+            f"num_kv_heads={self.num_kv_heads}, per_head={self.per_head}, source_model={self.source_model!r})"
         )
 
     # ----------------------------------------------------------------- data-free baselines
@@ -209,11 +234,14 @@ class OscarRotations:
     def check_compatible(self, model_config) -> None:
         """Raise ValueError naming the first field in which this bundle does not fit ``model_config``."""
         shape = ModelShape.from_config(model_config)
-        for field, ours, theirs in (
+        fields = [
             ("num_layers", self.num_layers, shape.num_layers),
             ("head_dim", self.head_dim, shape.head_dim),
             ("num_kv_heads", self.num_kv_heads, shape.num_kv_heads),
-        ):
+        ]
+        if self.per_head:
+            fields.append(("the rotations' KV heads", self.key_rotation.shape[1], shape.num_kv_heads))
+        for field, ours, theirs in fields:
             if ours != theirs:
                 made_for = self.source_model or "a model whose name it does not record"
                 model_name = getattr(model_config, "_name_or_path", None) or "this model"
@@ -228,13 +256,14 @@ class OscarRotations:
         path = Path(save_directory)
         path.mkdir(parents=True, exist_ok=True)
         metadata = {
-            "format_version": FORMAT_VERSION,
+            "format_version": self.format_version,
             "library": "oscar_hf",
             "method": self.method,
             "source_model": self.source_model,
             "num_layers": self.num_layers,
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
+            "per_head": self.per_head,
             "calibration": self.calibration,
             "config": self.config.to_dict() if self.config is not None else None,
         }
@@ -244,7 +273,7 @@ class OscarRotations:
             "key_eigenvalues": self.key_eigenvalues,
             "value_eigenvalues": self.value_eigenvalues,
         }
-        save_file(tensors, str(path / WEIGHTS_NAME), metadata={"format_version": str(FORMAT_VERSION)})
+        save_file(tensors, str(path / WEIGHTS_NAME), metadata={"format_version": str(self.format_version)})
         (path / CONFIG_NAME).write_text(json.dumps(metadata, indent=2) + "\n")
         (path / CARD_NAME).write_text(self.model_card())
         if self.diagnostics is not None:
@@ -258,7 +287,8 @@ class OscarRotations:
         return (
             f"---\nlibrary_name: oscar_hf\ntags: [oscar, kv-cache, quantization]\n---\n\n"
             f"# OSCAR KV-cache rotations for {self.source_model or 'an unnamed model'}\n\n"
-            f"Per-layer K and V rotations ({self.method}) for 2-bit KV-cache quantization with "
+            f"{'Per-layer and KV-head' if self.per_head else 'Per-layer'} K and V rotations ({self.method}) for "
+            f"2-bit KV-cache quantization with "
             f"[oscar-hf](https://pypi.org/project/oscar-hf/): {self.num_layers} layers, head_dim {self.head_dim}, "
             f"{self.num_kv_heads} KV heads.\n\n## How it was made\n\n{settings}\n\n"
             f"## Recommended cache settings\n\n```json\n{config}\n```\n\n## Use\n\n```python\n"
@@ -329,8 +359,9 @@ class OscarRotations:
         except json.JSONDecodeError as err:
             raise ValueError(f"{config_file} is not valid JSON: {err}") from None
         version = metadata.get("format_version")
-        if version != FORMAT_VERSION:
-            raise ValueError(f"{config_file}: unsupported format_version {version!r} (expected {FORMAT_VERSION})")
+        if type(version) is not int or not SHARED_FORMAT_VERSION <= version <= FORMAT_VERSION:
+            raise ValueError(f"{config_file}: unsupported format_version {version!r} (this oscar-hf reads "
+                             f"{SHARED_FORMAT_VERSION} to {FORMAT_VERSION}; a newer bundle needs a newer oscar-hf)")
         try:
             tensors = load_file(str(weights_file))
         except Exception as err:  # safetensors raises its own error type for a truncated or foreign file
@@ -338,6 +369,9 @@ class OscarRotations:
         missing = {"key_rotation", "value_rotation"} - set(tensors)
         if missing:
             raise ValueError(f"{weights_file} lacks tensor(s) {sorted(missing)}")
+        if version == SHARED_FORMAT_VERSION and tensors["key_rotation"].ndim != 3:
+            raise ValueError(f"{weights_file}: format_version 1 holds rotations [layers, D, D]; got "
+                             f"{tuple(tensors['key_rotation'].shape)}")
         bundle = cls(
             tensors["key_rotation"],
             tensors["value_rotation"],
@@ -352,7 +386,7 @@ class OscarRotations:
         diagnostics_file = config_file.with_name(DIAGNOSTICS_NAME)
         if diagnostics_file.is_file():
             bundle.diagnostics = json.loads(diagnostics_file.read_text())
-        for field in ("num_layers", "head_dim"):
+        for field in ("num_layers", "head_dim", "per_head"):
             if field in metadata and metadata[field] != getattr(bundle, field):
                 raise ValueError(
                     f"{config_file}: {field}={metadata[field]} disagrees with the tensors ({getattr(bundle, field)})"

@@ -28,7 +28,8 @@ class PackedKV:
         group_size: channels per scale and zero of a per-token row.
         key_center, value_center: fp32 ``[B, H, 1, D]`` where the history stores ``x − μ``, else None.
         key_token_group: None for per-token K; for per-channel K, the tokens that share a K scale row.
-        key_rotation, value_rotation: the history's bases ``R [D, D]`` in the model dtype, or None (identity).
+        key_rotation, value_rotation: the history's bases in the model dtype: ``R [D, D]`` (every KV head's) or
+            ``[H, D, D]`` (one per KV head; query head ``h·g + r`` reads KV head ``h``'s), or None (identity).
     """
 
     sink_k: torch.Tensor

@@ -30,13 +30,16 @@ def rows(n: int, seed: int, dim: int = D, dtype=torch.float32) -> torch.Tensor:
     return torch.randn(B, H, n, dim, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def random_orthogonal(dim: int, seed: int) -> torch.Tensor:
-    return torch.linalg.qr(torch.randn(dim, dim, generator=torch.Generator().manual_seed(seed))).Q
+def random_orthogonal(dim: int, seed: int, heads: int | None = None) -> torch.Tensor:
+    """``[D, D]``, or ``[heads, D, D]`` (one per KV head)."""
+    shape = (dim, dim) if heads is None else (heads, dim, dim)
+    return torch.linalg.qr(torch.randn(shape, generator=torch.Generator().manual_seed(seed))).Q
 
 
-def make_layer(dim: int = D, **config) -> OscarLayer:
+def make_layer(dim: int = D, per_head: bool = False, **config) -> OscarLayer:
     cfg = OscarConfig(**{"sink_tokens": 4, "recent_tokens": 8, "flush_tokens": 4, **config})
-    return DynamicOscarLayer(cfg, random_orthogonal(dim, 1), random_orthogonal(dim, 2))
+    heads = H if per_head else None
+    return DynamicOscarLayer(cfg, random_orthogonal(dim, 1, heads), random_orthogonal(dim, 2, heads))
 
 
 def expected_sequence(layer: OscarLayer, x: torch.Tensor, side: str, first_demoted: int) -> torch.Tensor:
@@ -50,12 +53,13 @@ def expected_sequence(layer: OscarLayer, x: torch.Tensor, side: str, first_demot
     center = rotated[:, :, s : s + first_demoted].mean(dim=2, keepdim=True)
     clip = cfg.k_clip if side == "key" else cfg.v_clip
     history = quantize(rotated[:, :, s : s + q] - center, bits=cfg.bits, clip=clip, scale_dtype=cfg.torch_scale_dtype)
-    restored = (dequantize(history, cfg.bits) + center) @ rotation.T
+    restored = (dequantize(history, cfg.bits) + center) @ rotation.mT
     return torch.cat([x[:, :, :s], restored, x[:, :, s + q :]], dim=2)
 
 
-def test_prefill_splits_sink_history_recent():
-    layer = make_layer()
+@pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per-head"])
+def test_prefill_splits_sink_history_recent(per_head):
+    layer = make_layer(per_head=per_head)
     keys, values = rows(30, 0), rows(30, 1)
     layer.update(keys, values)
     assert (layer.n_sink, layer.n_history, layer.n_recent) == (4, 18, 8)
@@ -64,8 +68,9 @@ def test_prefill_splits_sink_history_recent():
                                rtol=0)
 
 
-def test_decode_demotes_flush_tokens_at_a_time():
-    layer = make_layer()
+@pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per-head"])
+def test_decode_demotes_flush_tokens_at_a_time(per_head):
+    layer = make_layer(per_head=per_head)
     keys = rows(40, 0)
     layer.update(keys[:, :, :12], keys[:, :, :12])  # 4 sink + 8 recent, nothing quantized
     assert layer.n_history == 0
@@ -401,8 +406,11 @@ def signed_permutation(dim: int, seed: int) -> torch.Tensor:
     return eye * torch.where(torch.rand(dim, generator=g) < 0.5, -1.0, 1.0)
 
 
-def make_per_channel_layer(**config) -> OscarLayer:
+def make_per_channel_layer(per_head: bool = False, **config) -> OscarLayer:
     cfg = OscarConfig(**{"sink_tokens": 4, "recent_tokens": 8, "flush_tokens": 4, **PER_CHANNEL, **config})
+    if per_head:  # one per KV head
+        return DynamicOscarLayer(cfg, *(torch.stack([signed_permutation(D, seed + 10 * h) for h in range(H)])
+                                        for seed in (1, 2)))
     return DynamicOscarLayer(cfg, signed_permutation(D, 1), signed_permutation(D, 2))
 
 
@@ -420,7 +428,7 @@ def expected_per_channel_sequence(layer: OscarLayer, x: torch.Tensor, side: str)
         history = dequantize_per_channel(quantized, cfg.bits)
     else:
         history = dequantize(quantize(block, bits=cfg.bits, clip=cfg.v_clip, scale_dtype=scale_dtype), cfg.bits)
-    return torch.cat([x[:, :, :s], history @ rotation.T, x[:, :, s + q : layer.length]], dim=2)
+    return torch.cat([x[:, :, :s], history @ rotation.mT, x[:, :, s + q : layer.length]], dim=2)
 
 
 def assert_holds(layer: OscarLayer, sequence: dict[str, torch.Tensor]) -> None:
@@ -480,8 +488,9 @@ def test_per_channel_demotions_move_whole_token_groups(chunks, steps):
     assert_holds(layer, {"key": keys, "value": values})
 
 
-def test_per_channel_crop_into_a_token_group_requantizes_its_survivors_with_their_next_group():
-    layer = make_per_channel_layer()
+@pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per-head"])
+def test_per_channel_crop_into_a_token_group_requantizes_its_survivors_with_their_next_group(per_head):
+    layer = make_per_channel_layer(per_head)
     keys, values = rows(60, 0), rows(60, 1)
     layer.update(keys[:, :, :30], values[:, :, :30])  # sink 4, history 16 (positions 4..19), recent 10
     before = {side: layer.materialize(side) for side in ("key", "value")}

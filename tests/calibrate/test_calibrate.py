@@ -52,30 +52,37 @@ class Recorder:
         return {name: torch.cat(parts, dim=1) for name, parts in self.parts[i].items()}
 
 
-def hand_covariances(t: dict[str, torch.Tensor], kv_heads: int) -> dict[str, torch.Tensor]:
-    """oscar_method.md §1.4, §1.5, §9.A, written out head by head in float64."""
+def hand_covariances(t: dict[str, torch.Tensor], kv_heads: int, per_head: bool = False) -> dict[str, torch.Tensor]:
+    """oscar_method.md §1.4, §1.5, §9.A, written out head by head in float64: each KV head's ``[H, D, D]``
+    (``per_head``: K's from its GQA group's queries, V's weighted by its own query covariance), or their mean."""
 
     def group_rows(x):  # query heads [Hq, T, D] -> the g·T query rows of each KV head [H, g·T, D]
         return x.unflatten(0, (kv_heads, -1)).flatten(1, 2)
 
-    def head_mean_cov(x):  # mean over heads of xᵀx / rows
-        return (x.mT @ x / x.shape[1]).mean(0)
+    def cov(x):  # xᵀx / rows, per head
+        return x.mT @ x / x.shape[1]
 
     q, k, v = group_rows(t["q"]), t["k"], t["v"]
-    c = q.mT @ q / q.shape[1]  # C_h [H, D, D]
+    c = cov(q)  # C_h [H, D, D]
     w = torch.einsum("htd,hde,hte->ht", k, c, k)  # w_t = k_t C_h k_tᵀ
     sst = torch.einsum("ht,htd,hte->hde", w, v, v) / w.sum(1)[:, None, None]
-    return {"qqt": c.mean(0), "ktk": head_mean_cov(k), "vtv": head_mean_cov(v),
-            "softmax": head_mean_cov(group_rows(t["o"])), "sst": sst.mean(0)}
+    heads = {"qqt": c, "ktk": cov(k), "vtv": cov(v), "softmax": cov(group_rows(t["o"])), "sst": sst}
+    return heads if per_head else {name: x.mean(0) for name, x in heads.items()}
 
 
 @pytest.fixture(scope="module")
-def recorded(model):
-    """The hand covariances of every layer on 160 tokens, cut like calibrate cuts them: chunks of 64, 64, 32."""
+def recorded_layers(model):
+    """Every layer's captured q, k, v, o on 160 tokens, cut like calibrate cuts them: chunks of 64, 64, 32."""
     recorder = Recorder()
     for chunk in token_ids().flatten()[:160].split(64):
         run_capture(model, recorder, chunk[None])
-    return [hand_covariances(recorder.layer(i), kv_heads=2) for i in range(model.config.num_hidden_layers)]
+    return [recorder.layer(i) for i in range(model.config.num_hidden_layers)]
+
+
+@pytest.fixture(scope="module")
+def recorded(recorded_layers):
+    """The hand covariances of every layer (the mean over KV heads)."""
+    return [hand_covariances(t, kv_heads=2) for t in recorded_layers]
 
 
 def test_captured_output_is_causal_attention_of_captured_qkv(model):
@@ -100,6 +107,38 @@ def test_covariance_target_matches_hand_computation(model, recorded, side, targe
         torch.testing.assert_close(values, torch.linalg.eigvalsh(sigma), rtol=1e-5, atol=1e-6 * float(sigma.norm()))
         # R·Λ·Rᵀ = Σ with Λ ascending and R orthogonal: R's columns are Σ's eigenvectors, ascending (R = U)
         torch.testing.assert_close(r @ values.diag() @ r.T, sigma, rtol=0, atol=1e-5 * float(sigma.abs().max()))
+
+
+@pytest.mark.parametrize("side, target", [("key", "qqt"), ("key", "ktk"), ("value", "sst"), ("value", "vtv"),
+                                          ("value", "softmax")], ids=lambda x: x)
+def test_per_head_covariance_target_matches_hand_computation(model, recorded_layers, side, target):
+    """per_head=True: one rotation per layer and KV head, each from its own head's covariance (K: its GQA group's
+    queries for qqt; V: weighted by its own query covariance for sst)."""
+    targets = {"k_target": "identity", "v_target": "identity", f"{side[0]}_target": target}
+    rotations = quick_calibrate(model, token_ids(), num_tokens=160, composition="U", eigen_order="ascending",
+                                per_head=True, **targets)
+    assert rotations.per_head and rotations.key_rotation.shape == (2, 2, 128, 128)
+    assert rotations.calibration["per_head"] is True
+    for layer, captured in enumerate(recorded_layers):
+        per_head = hand_covariances(captured, kv_heads=2, per_head=True)[target]
+        assert not torch.allclose(per_head[0], per_head[1], rtol=0.05)  # the heads differ
+        for head, sigma in enumerate(per_head):
+            r = getattr(rotations, f"{side}_rotation")[layer, head].double()
+            values = getattr(rotations, f"{side}_eigenvalues")[layer, head].double()
+            torch.testing.assert_close(values, torch.linalg.eigvalsh(sigma), rtol=1e-5,
+                                       atol=1e-6 * float(sigma.norm()))
+            torch.testing.assert_close(r @ values.diag() @ r.T, sigma, rtol=0, atol=1e-5 * float(sigma.abs().max()))
+    other = "value" if side == "key" else "key"
+    assert torch.equal(getattr(rotations, f"{other}_rotation"), torch.eye(128).expand(2, 2, 128, 128))
+
+
+def test_per_head_with_one_kv_head_is_the_shared_calibration():
+    """With one KV head (Gemma-3-270M's case) the per-head rotations are the shared ones."""
+    model = make_model("mistral-gqa-d64")  # 4 query heads, 1 KV head
+    shared, per_head = (quick_calibrate(model, token_ids(), num_tokens=160, per_head=p) for p in (False, True))
+    assert per_head.key_rotation.shape == (2, 1, 64, 64)
+    for name in TENSORS:
+        assert torch.equal(getattr(per_head, name)[:, 0], getattr(shared, name)), name
 
 
 def test_targets_differ(recorded):
@@ -394,6 +433,27 @@ def test_diagnostics_per_layer(model, tmp_path):
     rotations.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "diagnostics.json").read_text()) == rotations.diagnostics
     assert OscarRotations.from_pretrained(tmp_path).diagnostics == rotations.diagnostics
+
+
+def test_per_head_diagnostics(model):
+    """Per-head bundles are diagnosed with each KV head's rotations (queries with their KV head's R_K): a bundle whose
+    heads all hold the layer's rotations gives the shared bundle's numbers; distinct random rotations per head keep
+    the attention scores (a query rotated by another head's R_K would scramble them)."""
+    from oscar_hf.diagnostics import diagnose
+
+    shared = quick_calibrate(model, token_ids(8, 64), num_tokens=256)
+    held_out = list(token_ids(2, 64, seed=1))
+    config = OscarConfig(bits=4, k_clip=1.0, v_clip=1.0)
+    expanded = OscarRotations(shared.key_rotation[:, None].expand(2, 2, 128, 128),
+                              shared.value_rotation[:, None].expand(2, 2, 128, 128), num_kv_heads=2)
+    want, got = (diagnose(model, bundle, held_out, config) for bundle in (shared, expanded))
+    for a, b in zip(want, got):
+        assert a.keys() == b.keys() and all(b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-9) for k in a)
+    generator = torch.Generator().manual_seed(0)
+    random = OscarRotations(*(torch.linalg.qr(torch.randn(2, 2, 128, 128, generator=generator)).Q for _ in range(2)),
+                            num_kv_heads=2)
+    for row in diagnose(model, random, held_out, config):
+        assert row["score_kl"] < 0.05 and row["output_error"] < 0.05, row
 
 
 def test_diagnostics_int4_unclipped_is_much_better_than_int2(model):

@@ -60,7 +60,7 @@ def test_calibrate_writes_a_bundle(bundle_dir, model_dir, data_file):
     assert (metadata["source_model"], metadata["num_layers"], metadata["head_dim"]) == (model_dir, 2, 64)
     assert metadata["calibration"] | {"data": data_file} == {
         "tokens": 300, "max_length": 128, "k_target": "qqt", "v_target": "sst", "composition": "UHP",
-        "eigen_order": "ascending", "data": data_file, "recipe": None}
+        "eigen_order": "ascending", "per_head": False, "data": data_file, "recipe": None}
     card = (bundle_dir / "README.md").read_text()
     assert "OSCAR KV-cache rotations" in card and "(oscar)" in card and "k_target: qqt" in card
     diagnostics = json.loads((bundle_dir / "diagnostics.json").read_text())
@@ -72,7 +72,8 @@ def test_calibrate_writes_a_bundle(bundle_dir, model_dir, data_file):
 def test_calibrate_prints_the_table(model_dir, data_file, tmp_path, capsys):
     run_calibrate(model_dir, data_file, tmp_path / "out")
     out = capsys.readouterr().out
-    bundle = f"OscarRotations(method='oscar', layers=2, head_dim=64, num_kv_heads=2, source_model={model_dir!r})"
+    bundle = (f"OscarRotations(method='oscar', layers=2, head_dim=64, num_kv_heads=2, per_head=False, "
+              f"source_model={model_dir!r})")
     assert f"saved {bundle} to {tmp_path / 'out'}" in out
     assert "k_error" in out and "mean" in out
 
@@ -86,10 +87,29 @@ def test_calibrate_recommends_key_bits_for_the_most_sensitive_layers(model_dir, 
         run_calibrate(model_dir, data_file, tmp_path / "bad", "--key-bits-fraction", "0.5")
 
 
+def test_calibrate_per_head_from_the_flag_or_the_recipe(model_dir, data_file, tmp_path, capsys):
+    """--per-head: one rotation per layer and KV head (format_version 2); a recipe's ``per_head: true`` does the
+    same, and --no-per-head overrides it."""
+    run_calibrate(model_dir, data_file, tmp_path / "flag", "--per-head")
+    bundle = OscarRotations.from_pretrained(tmp_path / "flag")
+    assert bundle.per_head and bundle.key_rotation.shape == bundle.value_rotation.shape == (2, 2, 64, 64)
+    assert json.loads((tmp_path / "flag" / "oscar_config.json").read_text())["format_version"] == 2
+    capsys.readouterr()
+    main(["info", str(tmp_path / "flag")])
+    assert "key_rotation (2, 2, 64, 64), value_rotation (2, 2, 64, 64) (one per layer and KV head)" in (
+        capsys.readouterr().out)
+    recipe = tmp_path / "per-head.yaml"
+    recipe.write_text("model: tiny\ncalibration:\n  per_head: true\n")
+    run_calibrate(model_dir, data_file, tmp_path / "recipe", "--recipe", str(recipe))
+    assert OscarRotations.from_pretrained(tmp_path / "recipe").per_head
+    run_calibrate(model_dir, data_file, tmp_path / "shared", "--recipe", str(recipe), "--no-per-head")
+    assert not OscarRotations.from_pretrained(tmp_path / "shared").per_head
+
+
 def test_info(bundle_dir, capsys):
     main(["info", str(bundle_dir)])
     out = capsys.readouterr().out
-    assert "key_rotation (2, 64, 64), value_rotation (2, 64, 64)" in out
+    assert "key_rotation (2, 64, 64), value_rotation (2, 64, 64) (one per layer)" in out
     assert f"config: {json.dumps(OscarConfig().to_dict())}" in out  # calibrate stores the config it diagnosed with
     for length, label in ((4096, "4K"), (32768, "32K"), (131072, "128K")):
         assert f"bits per element at {label} tokens: {OscarConfig().bits_per_element(64, length):.3f}" in out

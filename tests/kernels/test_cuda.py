@@ -17,6 +17,21 @@ def to_cuda(inputs: dict) -> dict:
     return {k: v.cuda() for k, v in inputs.items()}
 
 
+def per_head_rotations(config) -> OscarRotations:
+    """Random orthogonal rotations, one per layer and KV head (V's others than K's)."""
+    from oscar_hf.model_support import ModelShape
+
+    shape = ModelShape.from_config(config)
+    generator = torch.Generator().manual_seed(0)
+    k, v = (torch.linalg.qr(torch.randn(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.head_dim,
+                                        generator=generator)).Q for _ in range(2))
+    return OscarRotations(k, v, num_kv_heads=shape.num_kv_heads)
+
+
+def rotations_for(model, per_head: bool) -> OscarRotations:
+    return per_head_rotations(model.config) if per_head else OscarRotations.hadamard(model.config)
+
+
 @pytest.mark.parametrize("mode", ["greedy", "left-padded-batch", "beam-search", "prompt-lookup"])
 def test_token_identical_when_windows_cover_sequence_on_cuda(arch, mode):
     """The torch backend is exact here; the Triton kernel is compared on logits (it is not bit-identical
@@ -30,10 +45,12 @@ def test_token_identical_when_windows_cover_sequence_on_cuda(arch, mode):
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per-head"])
 @pytest.mark.parametrize("key_bits", [None, 4], ids=["k2", "k4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_triton_and_torch_backends_agree_with_int2_history(arch, dtype, key_bits):
-    """One decode step over a quantized history (2-bit V, 2- or 4-bit K): logits of both backends agree closely."""
+def test_triton_and_torch_backends_agree_with_int2_history(arch, dtype, key_bits, per_head):
+    """One decode step over a quantized history (2-bit V, 2- or 4-bit K), with shared or per-KV-head rotations:
+    logits of both backends agree closely."""
     model = cuda_model(arch, dtype=dtype)
     ids = torch.randint(3, 90, (2, 70), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     mask = torch.ones_like(ids)
@@ -41,7 +58,7 @@ def test_triton_and_torch_backends_agree_with_int2_history(arch, dtype, key_bits
     logits = {}
     for backend in ("torch", "triton"):
         cache = OscarQuantizedCache.from_pretrained(
-            OscarRotations.hadamard(model.config), model=model, sink_tokens=4, recent_tokens=8, backend=backend,
+            rotations_for(model, per_head), model=model, sink_tokens=4, recent_tokens=8, backend=backend,
             key_bits=key_bits,
         )
         with torch.no_grad():
@@ -70,16 +87,17 @@ def test_quantized_generation_runs_on_cuda_with_every_mode():
         assert all(layer.n_history > 0 for layer in cache.layers)
 
 
-@pytest.mark.parametrize("dtype, key_bits, inductor_fast",
-                         [(torch.float32, None, False), (torch.bfloat16, None, False), (torch.bfloat16, 4, False),
-                          (torch.bfloat16, None, True)],
-                         ids=["fp32", "bf16", "bf16-k4", "bf16-inductor-fast"])
-def test_generate_compiles_with_cuda_graphs_around_a_static_cache(dtype, key_bits, inductor_fast):
+@pytest.mark.parametrize("dtype, key_bits, inductor_fast, per_head",
+                         [(torch.float32, None, False, False), (torch.bfloat16, None, False, False),
+                          (torch.bfloat16, 4, False, False), (torch.bfloat16, None, True, False),
+                          (torch.bfloat16, None, False, True), (torch.float32, None, False, True)],
+                         ids=["fp32", "bf16", "bf16-k4", "bf16-inductor-fast", "bf16-per-head", "fp32-per-head"])
+def test_generate_compiles_with_cuda_graphs_around_a_static_cache(dtype, key_bits, inductor_fast, per_head):
     """On CUDA, max_cache_len makes generate compile the model (reduce-overhead: CUDA graphs) around the cache.
     fp32: the same tokens as eager; bf16 (Triton kernels): each step's logits track eager's closely until the
     tokens part, also with the settings of the fastest runs (``inductor_fast``: inductor's kernels launched early,
     ``TORCHINDUCTOR_ENABLE_PDL``, around the cache's, which are too; matrix-vector products as tuned reductions,
-    ``TORCHINDUCTOR_COORDINATE_DESCENT_TUNING``)."""
+    ``TORCHINDUCTOR_COORDINATE_DESCENT_TUNING``); shared rotations and one per KV head."""
     from torch._dynamo.utils import counters
     from torch._inductor import config as inductor_config
 
@@ -90,7 +108,7 @@ def test_generate_compiles_with_cuda_graphs_around_a_static_cache(dtype, key_bit
 
     def generate(**kwargs):
         cache = OscarQuantizedCache.from_pretrained(
-            OscarRotations.hadamard(model.config), model=model, sink_tokens=4, recent_tokens=8, key_bits=key_bits,
+            rotations_for(model, per_head), model=model, sink_tokens=4, recent_tokens=8, key_bits=key_bits,
             **kwargs
         )
         return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0,
@@ -193,19 +211,29 @@ def assert_stages_then_gemm(prof, stages: tuple[str, ...]) -> None:
                                                                                     "triton")), work
 
 
-@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "mask"])
-@pytest.mark.parametrize("sink_tokens", [4, 0])
-def test_a_static_layers_decode_launches_only_its_three_stages(masked, sink_tokens):
-    """A static layer's decode step is q's rotation, stage 1, stage 2 and the GEMM that brings the history's share of
-    the output back by R_Vᵀ, and no other kernel: a fill or copy (of a placeholder for an absent mask or an empty
-    sink) between the kernel before and stage 1 would keep stage 1 from launching early."""
-    from oscar_hf import OscarConfig, StaticOscarLayer
-    from oscar_hf.kernels.decode.triton import decode_static
+def layer_rotation(per_head: bool) -> torch.Tensor:
+    """The Hadamard ``[128, 128]``, or per KV head (2) random orthogonal ones ``[2, 128, 128]``."""
     from oscar_hf.rotations import hadamard_matrix
 
-    rotation = hadamard_matrix(128).float()
+    if per_head:
+        return torch.linalg.qr(torch.randn(2, 128, 128, generator=torch.Generator().manual_seed(0))).Q
+    return hadamard_matrix(128).float()
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per-head"])
+@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "mask"])
+@pytest.mark.parametrize("sink_tokens", [4, 0])
+def test_a_static_layers_decode_launches_only_its_three_stages(masked, sink_tokens, per_head):
+    """A static layer's decode step is q's rotation, stage 1, stage 2 and the GEMM that brings the history's share of
+    the output back by R_Vᵀ (batched over the KV heads for per-head rotations), and no other kernel: a fill or copy
+    (of a placeholder for an absent mask or an empty sink) between the kernel before and stage 1 would keep stage 1
+    from launching early."""
+    from oscar_hf import OscarConfig, StaticOscarLayer
+    from oscar_hf.kernels.decode.triton import decode_static
+
+    rotation = layer_rotation(per_head)
     config = OscarConfig(backend="triton", sink_tokens=sink_tokens, recent_tokens=8, flush_tokens=4)
-    layer = StaticOscarLayer(config, rotation, rotation.T, 200)
+    layer = StaticOscarLayer(config, rotation, rotation.mT, 200)
     kv = torch.randn(2, 1, 2, 101, 128, device="cuda").to(torch.bfloat16)
     layer.update(kv[0, :, :, :100], kv[1, :, :, :100])
     layer.update(kv[0, :, :, 100:], kv[1, :, :, 100:])  # a graph step
@@ -219,16 +247,17 @@ def test_a_static_layers_decode_launches_only_its_three_stages(masked, sink_toke
     assert_stages_then_gemm(prof, ("rotate_query", "stage1", "stage2"))
 
 
-def test_a_step_left_to_the_attention_launches_the_append_and_two_stages():
+@pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per-head"])
+def test_a_step_left_to_the_attention_launches_the_append_and_two_stages(per_head):
     """A static layer's step as OscarQuantizedCache.update and the attention function run it: the append kernel
-    (which rotates q as well), stage 1, stage 2 and the R_Vᵀ GEMM, and no other kernel."""
+    (which rotates q as well), stage 1, stage 2 and the R_Vᵀ GEMM, and no other kernel; with shared or per-KV-head
+    rotations."""
     from oscar_hf import OscarConfig, StaticOscarLayer
     from oscar_hf.kernels.decode.triton import decode_static
-    from oscar_hf.rotations import hadamard_matrix
 
-    rotation = hadamard_matrix(128).float()
+    rotation = layer_rotation(per_head)
     config = OscarConfig(backend="triton", sink_tokens=4, recent_tokens=8, flush_tokens=4)
-    layer = StaticOscarLayer(config, rotation, rotation.T, 200)
+    layer = StaticOscarLayer(config, rotation, rotation.mT, 200)
     kv = torch.randn(2, 1, 2, 100, 128, device="cuda").to(torch.bfloat16)
     layer.update(kv[0], kv[1])
     steps = [torch.randn(2, 1, 2, 1, 128, device="cuda").to(torch.bfloat16) for _ in range(2)]  # contiguous K/V

@@ -645,16 +645,27 @@ def test_decode_uncentered_history():
 
 
 # ------------------------------------------------------------------------- graph step (static caches)
-def static_and_host_layers(dim, *, max_len=120, **config):
+def signed_hadamard(dim, heads=None, seed=3):
+    """Hadamard rows in a random order with random signs ``[D, D]``, or ``heads`` different ones ``[heads, D, D]``
+    (per-KV-head rotations). On values that are multiples of 1/4 below 64, every sum of the rotation is exact in
+    fp32."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def one():
+        signs = torch.randint(0, 2, (dim, 1), generator=generator) * 2 - 1
+        return (hadamard_matrix(dim)[torch.randperm(dim, generator=generator)] * signs).float()
+
+    return one() if heads is None else torch.stack([one() for _ in range(heads)])
+
+
+def static_and_host_layers(dim, *, max_len=120, heads=None, **config):
     """A static (max_cache_len) layer, whose one-token steps run the device-only operators (rotating in the append
     kernel), and a growing layer (the host path, the oracle: a GEMM), with the same settings: Triton backend, bf16,
-    Hadamard rows in a random order with random signs (K's) and their transpose (V's). On K/V that are multiples of
-    1/4 below 64, every sum of the rotation is exact in fp32, so both paths round it alike."""
+    :func:`signed_hadamard` rotations (K's; V's their transpose), one per KV head where ``heads`` is given. On K/V
+    that are multiples of 1/4 below 64, every sum of the rotation is exact in fp32, so both paths round it alike."""
     cfg = OscarConfig(backend="triton", **config)
-    generator = torch.Generator().manual_seed(3)
-    signs = torch.randint(0, 2, (dim, 1), generator=generator) * 2 - 1
-    rotation = (hadamard_matrix(dim)[torch.randperm(dim, generator=generator)] * signs).float()
-    return (StaticOscarLayer(cfg, rotation, rotation.T, max_len), DynamicOscarLayer(cfg, rotation, rotation.T))
+    rotation = signed_hadamard(dim, heads)
+    return (StaticOscarLayer(cfg, rotation, rotation.mT, max_len), DynamicOscarLayer(cfg, rotation, rotation.mT))
 
 
 @pytest.mark.parametrize(  # tokens: the prompt and the steps, 9 or more demotions, the ring wrapped 3 times or more
@@ -664,8 +675,9 @@ def static_and_host_layers(dim, *, max_len=120, **config):
      (30, dict(sink_tokens=0, recent_tokens=6, flush_tokens=1, group_size=32, tokens=55)),
      (20, dict(sink_tokens=2, recent_tokens=6, flush_tokens=2, key_bits=4, centering=False, tokens=50)),
      (20, dict(sink_tokens=2, recent_tokens=6, flush_tokens=2, centering=False, dtype=torch.float16, tokens=50)),
-     (10, dict(sink_tokens=2, recent_tokens=4, flush_tokens=2, centering=False, dim=256, tokens=40))],
-    ids=["sink-first", "uncentered-unclipped", "no-sink-flush-1", "4-bit-keys", "fp16", "D256"],
+     (10, dict(sink_tokens=2, recent_tokens=4, flush_tokens=2, centering=False, dim=256, tokens=40)),
+     (20, dict(sink_tokens=2, recent_tokens=6, flush_tokens=2, centering=False, heads=3, tokens=40))],
+    ids=["sink-first", "uncentered-unclipped", "no-sink-flush-1", "4-bit-keys", "fp16", "D256", "per-head"],
 )
 def test_graph_step_stores_what_the_host_path_stores(prompt, config):
     """Steps through the append operator (rotation, ring buffer, device counts) leave the same sequence as the host
@@ -697,33 +709,39 @@ def test_graph_step_stores_what_the_host_path_stores(prompt, config):
             assert torch.equal(static.history[name][:, :, : host.n_history], host.history[name][:, :, : host.n_history])
 
 
+@pytest.mark.parametrize("heads", [None, 2, 6], ids=["shared", "per-head-g3", "per-head-g1"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("dim, q_len", [(64, 1), (128, 3), (256, 1)])
-def test_query_rotation_kernel_equals_the_rotate_gemm(dim, q_len, dtype):
-    """Stage 0 (q · R_K in the decode operator) stores what ``rotate_rows`` computes, bit for bit, from the strided
-    q that attention receives (``[B, q, Hq, D]`` transposed), for rows that do not fill its row block. On values whose
-    sums are exact in fp32 (multiples of 1/4 below 64 times ±1: an unnormalised Hadamard), both round once."""
-    from oscar_hf.kernels.append.reference import rotate_rows
+def test_query_rotation_kernel_equals_the_rotate_gemm(dim, q_len, dtype, heads):
+    """Stage 0 (q · R_K in the decode operator) stores what ``rotate_queries`` computes, bit for bit, from the strided
+    q that attention receives (``[B, q, Hq, D]`` transposed), for rows that do not fill its row block; with per-head
+    rotations each query head takes its KV head's. On values whose sums are exact in fp32 (multiples of 1/4 below 64
+    times ±1: an unnormalised Hadamard), both round once."""
+    from oscar_hf.kernels.append.reference import rotate_queries
     from oscar_hf.kernels.decode.triton import rotate_query
 
-    signs = hadamard_matrix(dim) * dim**0.5
-    rotation = signs[torch.randperm(dim, generator=torch.Generator().manual_seed(1))].to(dtype)
-    rotation = rotation.to(DEVICE)
+    rotation = (signed_hadamard(dim, heads, seed=1) * dim**0.5).to(dtype).to(DEVICE)
     query = ((randn(3, q_len, 6, dim, seed=2) * 8).round() / 4).to(dtype).transpose(1, 2)  # [B, Hq, q, D] strided
     got = rotate_query(query, rotation)
     assert got.is_contiguous() and got.dtype == dtype
-    torch.testing.assert_close(got, rotate_rows(query, rotation), rtol=0, atol=0)
+    torch.testing.assert_close(got, rotate_queries(query, rotation), rtol=0, atol=0)
+    if heads is not None:  # query head h·g + r takes KV head h's rotation
+        g = 6 // heads
+        for head in (0, 5):
+            torch.testing.assert_close(got[:, head], (query[:, head].float() @ rotation[head // g].float()).to(dtype),
+                                       rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("dim, group_q", [(64, 4), (128, 1), (128, 16)])
-def test_append_kernel_rotates_the_step_query_like_the_rotate_gemm(dim, group_q):
+@pytest.mark.parametrize("dim, group_q, heads", [(64, 4, None), (128, 1, None), (128, 16, None), (64, 3, 2)],
+                         ids=["64-4", "128-1", "128-16", "64-3-per-head"])
+def test_append_kernel_rotates_the_step_query_like_the_rotate_gemm(dim, group_q, heads):
     """A graph step left to the attention (as OscarQuantizedCache.update leaves it) is stored by the append kernel
-    that also rotates the step's query: q · R_K as ``rotate_rows`` computes it, bit for bit on exact sums, from the
-    strided q that attention receives (17 rows at a group of 16); the layer then holds what steps stored at once
-    hold, and the token is stored once."""
-    from oscar_hf.kernels.append.reference import rotate_rows
+    that also rotates the step's query: q · R_K (its KV head's, per head) as ``rotate_queries`` computes it, bit for
+    bit on exact sums, from the strided q that attention receives (17 rows at a group of 16); the layer then holds
+    what steps stored at once hold, and the token is stored once."""
+    from oscar_hf.kernels.append.reference import rotate_queries
 
-    config = dict(sink_tokens=2, recent_tokens=4, flush_tokens=2)
+    config = dict(sink_tokens=2, recent_tokens=4, flush_tokens=2, heads=heads)
     left, stored = (static_and_host_layers(dim, **config)[0] for _ in range(2))
     kv = ((randn(2, 2, 2, 14, dim, seed=5) * 8).round() / 4).to(torch.bfloat16)
     for layer in (left, stored):
@@ -734,7 +752,7 @@ def test_append_kernel_rotates_the_step_query_like_the_rotate_gemm(dim, group_q)
         stored.update(kv[0, :, :, t : t + 1], kv[1, :, :, t : t + 1])
         rotated = left.store_pending(query)
         assert rotated.is_contiguous() and left.store_pending(query) is None
-        torch.testing.assert_close(rotated, rotate_rows(query, left.key_rotation), rtol=0, atol=0)
+        torch.testing.assert_close(rotated, rotate_queries(query, left.key_rotation), rtol=0, atol=0)
     assert left.counts.tolist() == stored.counts.tolist() and left.n_history > 0
     for side in ("key", "value"):
         assert torch.equal(left.materialize(side), stored.materialize(side))
@@ -773,21 +791,22 @@ def test_a_layer_without_a_key_rotation_leaves_the_query_as_it_is():
     torch.testing.assert_close(layer.materialize("key"), kv[0], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("dim, key_bits, centered, clips", [(64, 2, True, (0.96, 0.92)), (256, 4, False, (1.0, 1.0))],
-                         ids=["D64-centered-clipped", "D256-k4"])
-def test_append_kernel_equals_its_torch_twin(dim, key_bits, centered, clips):
+@pytest.mark.parametrize("dim, key_bits, centered, clips, per_head",
+                         [(64, 2, True, (0.96, 0.92), False), (256, 4, False, (1.0, 1.0), False),
+                          (64, 2, True, (0.96, 0.92), True)],
+                         ids=["D64-centered-clipped", "D256-k4", "D64-per-head"])
+def test_append_kernel_equals_its_torch_twin(dim, key_bits, centered, clips, per_head):
     """The append kernel and its twin over PackedKVs built without a cache: the same windows, history, means,
-    counts, flags and rotated queries after every step, through sink, window, demotions and a full cache. K/V and q
-    are multiples of 1/4 below 64 and the rotation a signed Hadamard permutation, so every sum is exact."""
+    counts, flags and rotated queries after every step, through sink, window, demotions and a full cache, with a
+    shared rotation or one per KV head. K/V and q are multiples of 1/4 below 64 and the rotations signed Hadamard
+    permutations, so every sum is exact."""
     from oscar_hf.kernels import PackedKV
     from oscar_hf.kernels.append import reference as append_reference
     from oscar_hf.kernels.append import triton as append_triton
 
     batch, heads, groups, sink, recent, flush, max_len = 2, 2, 2, 2, 3, 2, 14
     generator = torch.Generator().manual_seed(5)
-    signs = torch.randint(0, 2, (dim, 1), generator=generator) * 2 - 1
-    rotation = (hadamard_matrix(dim)[torch.randperm(dim, generator=generator)] * signs).to(torch.bfloat16)
-    rotation = rotation.to(DEVICE)
+    rotation = signed_hadamard(dim, heads if per_head else None, seed=5).to(torch.bfloat16).to(DEVICE)
 
     def storage():
         packed = PackedKV.empty(batch, heads, dim, sink=sink, history=max_len - sink - recent, recent=recent + flush,
@@ -801,7 +820,7 @@ def test_append_kernel_equals_its_torch_twin(dim, key_bits, centered, clips):
     ints = torch.randint(-255, 256, (3, max_len + 2, batch, heads * groups, 1, dim), generator=generator)
     steps = (ints / 4).to(torch.bfloat16).to(DEVICE)
     kwargs = dict(max_len=max_len, sink_tokens=sink, limit=recent + flush - 1, flush=flush, k_clip=clips[0],
-                  v_clip=clips[1], key_rotation=rotation, value_rotation=rotation.T.contiguous())
+                  v_clip=clips[1], key_rotation=rotation, value_rotation=rotation.mT.contiguous())
     for key, value, query in zip(*steps):
         key, value = key[:, :heads], value[:, :heads]
         q_got = append_triton.append(got, key, value, flags=got_flags, query=query, **kwargs)
@@ -834,6 +853,65 @@ def test_graph_step_decode_equals_the_host_decode():
             want = decode(query, host.packed(), mask[..., :301], None)
             torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
     assert static.recent_start != 0
+
+
+def test_graph_step_decode_with_per_head_rotations_equals_the_host_decode():
+    """Per-KV-head rotations through the graph step (the append kernel rotating q by its KV head's R_K, the decode's
+    history share taken back by each KV head's R_V in one batched GEMM) give the host launch's output, whose stage 0
+    rotates q itself, and the torch twin's."""
+    from oscar_hf.kernels.decode.triton import decode_static
+
+    static, host = static_and_host_layers(64, max_len=120, heads=2, sink_tokens=4, recent_tokens=8, flush_tokens=3)
+    kv = randn(2, 2, 2, 100, 64, seed=16).to(torch.bfloat16)
+    mask = torch.ones(2, 1, 1, 120, dtype=torch.bool, device=DEVICE)
+    for layer in (static, host):
+        layer.update(kv[0, :, :, :90], kv[1, :, :, :90])
+    for t in range(90, 100):
+        query = randn(2, 6, 1, 64, seed=t).to(torch.bfloat16)
+        key, value = host.update(kv[0, :, :, t : t + 1], kv[1, :, :, t : t + 1])
+        static.update(kv[0, :, :, t : t + 1], kv[1, :, :, t : t + 1], leave_to_attention=True)
+        if t % 4 == 1:
+            rotated = static.store_pending(query)
+            got = decode_static(query, static.packed(), mask, None, static.decode_splits, rotated)
+            want = decode(query, host.packed(), mask[..., : t + 1], None)
+            twin = naive_attend(Attn(3), query, key, value, mask[..., : t + 1], None)
+            torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+            torch.testing.assert_close(got.float(), twin.float(), rtol=2e-2, atol=2e-2)
+    static.check_flags()  # stores the last token left pending; no flag raised
+    assert host.n_history > 0 and static.counts.tolist()[:3] == [host.n_sink, host.n_history, host.n_recent]
+
+
+@pytest.mark.parametrize("batch, heads, groups, dim, q_len", [(2, 2, 4, 64, 1), (1, 3, 3, 128, 1), (2, 2, 2, 64, 3)],
+                         ids=["B2-g4-D64", "B1-g3-D128", "B2-g2-D64-q3"])
+def test_decode_with_per_head_rotations_equals_the_torch_twin(batch, heads, groups, dim, q_len):
+    """Random per-KV-head rotations (each head's own R_K and R_V) over windows and a centered history, with a
+    left-padded row: the kernel (stage 0 rotating each query head by its KV head's R_K, the output's history share
+    taken back by its R_V) equals the torch twin, and is as close to fp32 as the twin is."""
+    generator = torch.Generator().manual_seed(17)
+    rotations = [torch.linalg.qr(torch.randn(heads, dim, dim, generator=generator)).Q for _ in range(2)]
+    cfg = OscarConfig(sink_tokens=4, recent_tokens=8, flush_tokens=2, backend="torch")
+    layer = DynamicOscarLayer(cfg, *rotations)
+    total = 120
+    kv = randn(2, batch, heads, total, dim, seed=18).to(torch.bfloat16)
+    kv[:, -1, :, :5] = 30.0  # left padding of the last row: huge K/V, a leak would show
+    layer.update(kv[0, :, :, :-q_len], kv[1, :, :, :-q_len])
+    key, value = layer.update(kv[0, :, :, -q_len:], kv[1, :, :, -q_len:])
+    mask = torch.ones(batch, 1, q_len, total, dtype=torch.bool, device=DEVICE).tril(total - q_len)
+    mask[-1, ..., :5] = False
+    query = randn(batch, heads * groups, q_len, dim, seed=19).to(torch.bfloat16)
+    assert layer.n_history > 0 and layer.rotation("key").shape == (heads, dim, dim)
+    assert kernel_serves(query, layer, mask)
+    got = decode(query, layer.packed(), mask, None)
+    want = naive_attend(Attn(groups), query, key, value, mask, None)
+    exact = fp32_reference(query, layer, mask, groups)
+    assert got.shape == want.shape == (batch, q_len, heads * groups, dim)
+    err, twin_err = (got.float() - exact).abs().max().item(), (want.float() - exact).abs().max().item()
+    assert err <= 2 * twin_err + 2 * torch.finfo(torch.bfloat16).eps * exact.abs().max().item(), (err, twin_err)
+    torch.testing.assert_close(got.float(), want.float(), rtol=TOLERANCE[torch.bfloat16],
+                               atol=TOLERANCE[torch.bfloat16])
+    shared = DynamicOscarLayer(cfg, rotations[0][0], rotations[1][0])  # every head with head 0's rotations
+    shared.update(kv[0], kv[1])
+    assert (decode(query, shared.packed(), mask, None).float() - got.float()).abs().max() > 1e-2
 
 
 def test_graph_step_flags_a_full_cache_and_non_finite_rows():
@@ -976,14 +1054,24 @@ def test_overlapped_sample_refuses_beams_and_a_cache_too_small():
     assert cache.get_seq_length() == 0  # refused before the prefill
 
 
-def test_compiled_generate_is_one_graph_with_a_static_cache():
+def per_head_bundle(config) -> OscarRotations:
+    """Per-KV-head rotations for ``config``: :func:`signed_hadamard` ones, different per layer and head (V's: K's
+    transposed)."""
+    layers, heads, dim = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    key = torch.stack([signed_hadamard(dim, heads, seed=layer) for layer in range(layers)])
+    return OscarRotations(key, key.mT, num_kv_heads=heads)
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per-head"])
+def test_compiled_generate_is_one_graph_with_a_static_cache(per_head):
     """With max_cache_len and the Triton backend, generate's compiled decode step traces whole (update and attention
     included: no graph break, one graph for every step) and gives the eager static cache's tokens, which equal
-    the growing cache's."""
+    the growing cache's; with shared rotations and with one per KV head."""
     from torch._dynamo.utils import counters
     from transformers import CompileConfig
 
     model = bf16_model()
+    bundle = per_head_bundle(model.config) if per_head else OscarRotations.hadamard(model.config)
     ids = torch.randint(3, 90, (2, 30), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
     ids[1, :5], mask[1, :5] = 0, 0
@@ -992,9 +1080,8 @@ def test_compiled_generate_is_one_graph_with_a_static_cache():
     compile_config._compile_all_devices = True
 
     def run(max_cache_len=None, **kwargs):
-        cache = OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model, sink_tokens=4,
-                                                    recent_tokens=8, flush_tokens=3, backend="triton",
-                                                    max_cache_len=max_cache_len)
+        cache = OscarQuantizedCache.from_pretrained(bundle, model=model, sink_tokens=4, recent_tokens=8,
+                                                    flush_tokens=3, backend="triton", max_cache_len=max_cache_len)
         return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
                               past_key_values=cache, pad_token_id=0, **kwargs), cache
 

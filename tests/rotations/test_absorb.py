@@ -12,26 +12,32 @@ from oscar_hf import ModelShape, OscarQuantizedCache, OscarRotations, absorb_val
 ARCHS = ["qwen2-gqa-bias-d64", "llama-mha-d64"]  # GQA with a v_proj bias; MHA without biases
 
 
-def random_orthogonal(layers: int, dim: int, seed: int) -> torch.Tensor:
-    return torch.linalg.qr(torch.randn(layers, dim, dim, generator=torch.Generator().manual_seed(seed))).Q
+def random_orthogonal(*shape: int, seed: int) -> torch.Tensor:
+    """Random orthogonal matrices ``[*shape[:-1], D, D]`` (``shape[-1]`` is D)."""
+    return torch.linalg.qr(torch.randn(*shape, shape[-1], generator=torch.Generator().manual_seed(seed))).Q
 
 
-def random_bundle(model) -> OscarRotations:
+def random_bundle(model, per_head: bool = False) -> OscarRotations:
+    """Random rotations per layer, or per layer and KV head."""
     shape = ModelShape.from_config(model.config)
-    layers, dim = shape.num_layers, shape.head_dim
-    return OscarRotations(random_orthogonal(layers, dim, seed=1), random_orthogonal(layers, dim, seed=2),
+    dims = (shape.num_layers, *((shape.num_kv_heads,) if per_head else ()), shape.head_dim)
+    return OscarRotations(random_orthogonal(*dims, seed=1), random_orthogonal(*dims, seed=2),
                           num_kv_heads=shape.num_kv_heads, method="oscar", calibration={"tokens": 1})
 
 
-@pytest.fixture(params=ARCHS)
+@pytest.fixture(params=[(arch, per_head) for arch in ARCHS for per_head in (False, True)],
+                ids=lambda p: p[0] + ("-per-head" if p[1] else ""))
 def models(request):
-    """(original model, its bundle, absorbed copy, the bundle absorb_value_rotation returned)."""
-    model = make_model(request.param)
+    """(original model, its bundle, absorbed copy, the bundle absorb_value_rotation returned), with rotations per
+    layer or per layer and KV head (each KV head block of v_proj and each query head block of o_proj takes its KV
+    head's R_V)."""
+    arch, per_head = request.param
+    model = make_model(arch)
     with torch.no_grad():  # the random init leaves biases at zero; make the bias fold matter
         for module in model.modules():
             if getattr(module, "v_proj", None) is not None and module.v_proj.bias is not None:
                 module.v_proj.bias.normal_()
-    bundle = random_bundle(model)
+    bundle = random_bundle(model, per_head)
     absorbed = copy.deepcopy(model)
     return model, bundle, absorbed, absorb_value_rotation(absorbed, bundle)
 

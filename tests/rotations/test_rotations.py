@@ -21,19 +21,23 @@ from oscar_hf.rotations import OscarRotations, hadamard_matrix
 TENSOR_NAMES = ("key_rotation", "value_rotation", "key_eigenvalues", "value_eigenvalues")
 
 
-def random_orthogonal(layers: int, dim: int, seed: int) -> torch.Tensor:
-    q = torch.linalg.qr(torch.randn(layers, dim, dim, generator=torch.Generator().manual_seed(seed))).Q
+def random_orthogonal(layers: int, dim: int, seed: int, heads: int | None = None) -> torch.Tensor:
+    """``[layers, D, D]``, or ``[layers, heads, D, D]`` (one per KV head)."""
+    shape = (layers, dim, dim) if heads is None else (layers, heads, dim, dim)
+    q = torch.linalg.qr(torch.randn(shape, generator=torch.Generator().manual_seed(seed))).Q
     return q.contiguous()
 
 
-def random_bundle(layers: int = 2, dim: int = 64) -> OscarRotations:
+def random_bundle(layers: int = 2, dim: int = 64, per_head: bool = False) -> OscarRotations:
     generator = torch.Generator().manual_seed(dim)
+    heads = 2 if per_head else None
+    values = (layers, dim) if heads is None else (layers, heads, dim)
     return OscarRotations(
-        random_orthogonal(layers, dim, seed=1),
-        random_orthogonal(layers, dim, seed=2),
+        random_orthogonal(layers, dim, seed=1, heads=heads),
+        random_orthogonal(layers, dim, seed=2, heads=heads),
         num_kv_heads=2,
-        key_eigenvalues=torch.rand(layers, dim, generator=generator),
-        value_eigenvalues=torch.rand(layers, dim, generator=generator),
+        key_eigenvalues=torch.rand(values, generator=generator),
+        value_eigenvalues=torch.rand(values, generator=generator),
         source_model="org/tiny-model",
         method="oscar",
         calibration={"dataset": "wikitext-2", "tokens": 4096, "targets": ["k", "v"]},
@@ -44,7 +48,7 @@ def random_bundle(layers: int = 2, dim: int = 64) -> OscarRotations:
 def assert_same_bundle(loaded: OscarRotations, saved: OscarRotations):
     for name in TENSOR_NAMES:
         assert torch.equal(getattr(loaded, name), getattr(saved, name)), name
-    for name in ("num_kv_heads", "source_model", "method", "calibration", "config"):
+    for name in ("num_kv_heads", "source_model", "method", "calibration", "config", "per_head"):
         assert getattr(loaded, name) == getattr(saved, name), name
 
 
@@ -87,6 +91,7 @@ def test_data_free_bundles(tiny, method):
         assert rotation.dtype == torch.float32 and rotation.shape == (2, head_dim, head_dim)
         assert torch.equal(rotation, matrix.expand(2, -1, -1))
     assert torch.equal(bundle.key_eigenvalues, torch.zeros(2, head_dim))
+    assert not bundle.per_head and bundle.format_version == 1
     bundle.check_compatible(config)
 
 
@@ -107,14 +112,74 @@ def test_check_compatible_names_the_mismatch(field, value, name):
         bundle.check_compatible(other)
 
 
+def test_per_head_bundle_checks_its_kv_heads():
+    """Per-KV-head rotations ``[L, H, D, D]``: H must be the bundle's KV heads, and the model's."""
+    config = make_model("qwen3-gqa-qknorm-d128").config  # 2 KV heads
+    rotation = torch.eye(128).expand(2, 2, 128, 128)
+    bundle = OscarRotations(rotation, rotation, num_kv_heads=2)
+    assert bundle.per_head and bundle.format_version == 2 and bundle.key_eigenvalues.shape == (2, 2, 128)
+    bundle.check_compatible(config)
+    with pytest.raises(ValueError, match="have 2 heads, but num_kv_heads is 1"):
+        OscarRotations(rotation, rotation, num_kv_heads=1)
+    one_head = torch.eye(128).expand(2, 1, 128, 128)
+    other = copy.deepcopy(config)
+    other.num_key_value_heads = 1
+    OscarRotations(one_head, one_head, num_kv_heads=1).check_compatible(other)
+    with pytest.raises(ValueError, match=r"\bnum_kv_heads is 1 in the bundle .* but 2"):
+        OscarRotations(one_head, one_head, num_kv_heads=1).check_compatible(config)
+
+
 # ------------------------------------------------------------------------------------------ save / load
-def test_save_load_round_trip(tmp_path):
-    bundle = random_bundle()
+@pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per-head"])
+def test_save_load_round_trip(tmp_path, per_head):
+    """Shared bundles are written as format_version 1 (as before per-head rotations), per-head ones as 2."""
+    bundle = random_bundle(per_head=per_head)
     bundle.save_pretrained(tmp_path / "bundle")
     assert sorted(os.listdir(tmp_path / "bundle")) == ["README.md", "oscar_config.json", "rotations.safetensors"]
     tensors = load_file(tmp_path / "bundle" / "rotations.safetensors")
     assert sorted(tensors) == sorted(TENSOR_NAMES)
-    assert_same_bundle(OscarRotations.from_pretrained(tmp_path / "bundle"), bundle)
+    assert tensors["key_rotation"].shape == ((2, 2, 64, 64) if per_head else (2, 64, 64))
+    metadata = json.loads((tmp_path / "bundle" / "oscar_config.json").read_text())
+    assert metadata["format_version"] == (2 if per_head else 1) and metadata["per_head"] is per_head
+    loaded = OscarRotations.from_pretrained(tmp_path / "bundle")
+    assert_same_bundle(loaded, bundle)
+    assert loaded.per_head is per_head
+
+
+def test_a_bundle_in_the_first_format_loads(tmp_path):
+    """A bundle as format_version 1 wrote it (no per_head field, rotations [L, D, D]) loads, and serves a cache; a
+    version-1 file with per-head tensors is refused."""
+    from safetensors.torch import save_file
+
+    model = make_model("llama-mha-d64")  # 2 layers, 2 KV heads, head_dim 64
+    rotation = random_orthogonal(2, 64, seed=4)
+    metadata = {"format_version": 1, "library": "oscar_hf", "method": "oscar", "source_model": "org/tiny",
+                "num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "calibration": {"tokens": 10}, "config": None}
+    (tmp_path / "oscar_config.json").write_text(json.dumps(metadata))
+    save_file({"key_rotation": rotation, "value_rotation": rotation.mT.contiguous(),
+               "key_eigenvalues": torch.zeros(2, 64), "value_eigenvalues": torch.zeros(2, 64)},
+              str(tmp_path / "rotations.safetensors"), metadata={"format_version": "1"})
+    bundle = OscarRotations.from_pretrained(tmp_path)
+    assert not bundle.per_head and bundle.calibration == {"tokens": 10}
+    assert torch.equal(bundle.key_rotation, rotation) and torch.equal(bundle.value_rotation, rotation.mT)
+    cache = OscarQuantizedCache.from_pretrained(tmp_path, model=model)
+    assert torch.equal(cache.layers[1].key_rotation, rotation[1])
+    per_head = rotation[:, None].expand(2, 2, 64, 64).contiguous()
+    save_file({"key_rotation": per_head, "value_rotation": per_head.clone()}, str(tmp_path / "rotations.safetensors"))
+    with pytest.raises(ValueError, match="format_version 1 holds rotations"):
+        OscarRotations.from_pretrained(tmp_path)
+
+
+def test_a_cache_from_a_per_head_bundle_gives_each_layer_its_heads_rotations():
+    model = make_model("llama-mha-d64")
+    bundle = random_bundle(per_head=True)
+    cache = OscarQuantizedCache.from_pretrained(bundle, model=model)
+    for i, layer in enumerate(cache.layers):
+        assert torch.equal(layer.key_rotation, bundle.key_rotation[i]) and layer.key_rotation.shape == (2, 64, 64)
+        assert layer.rotates_keys and layer.rotates_values
+    identity = OscarRotations(torch.eye(64).expand(2, 2, 64, 64), torch.eye(64).expand(2, 2, 64, 64), num_kv_heads=2)
+    layer = OscarQuantizedCache.from_pretrained(identity, model=model).layers[0]
+    assert not layer.rotates_keys and not layer.rotates_values  # an identity per head costs no GEMM either
 
 
 def test_same_rotation_for_keys_and_values_saves(tmp_path):
@@ -191,6 +256,13 @@ def test_non_orthogonal_rotation_raises(which):
         OscarRotations(**rotations, num_kv_heads=2)
 
 
+def test_non_orthogonal_per_head_rotation_names_layer_and_head():
+    key = random_orthogonal(2, 64, seed=1, heads=3)
+    key[1, 2] *= 1.01
+    with pytest.raises(ValueError, match="key_rotation of layer 1, KV head 2 is not orthogonal"):
+        OscarRotations(key, random_orthogonal(2, 64, seed=2, heads=3), num_kv_heads=3)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=str)
 def test_non_finite_rotation_raises(bad):
     rotation = random_orthogonal(2, 64, seed=1)
@@ -206,6 +278,10 @@ def test_non_finite_rotation_raises(bad):
         pytest.param(torch.zeros(2, 64, 32), random_orthogonal(2, 64, 2), r"\[layers, head_dim", id="not-square"),
         pytest.param(random_orthogonal(2, 64, 1), random_orthogonal(3, 64, 2), "differs", id="layers-mismatch"),
         pytest.param(random_orthogonal(2, 64, 1), random_orthogonal(2, 32, 2), "differs", id="head_dim-mismatch"),
+        pytest.param(random_orthogonal(2, 64, 1, heads=2), random_orthogonal(2, 64, 2), "differs",
+                     id="per-head-and-shared"),
+        pytest.param(torch.eye(64).expand(1, 1, 2, 64, 64), torch.eye(64).expand(1, 1, 2, 64, 64),
+                     r"\[layers, head_dim", id="5d"),
     ],
 )
 def test_bad_rotation_shapes_raise(key, value, match):
@@ -214,9 +290,10 @@ def test_bad_rotation_shapes_raise(key, value, match):
 
 
 @pytest.mark.parametrize("which", ["key_eigenvalues", "value_eigenvalues"])
-@pytest.mark.parametrize("shape", [(2, 32), (3, 64), (64,)], ids=str)
-def test_eigenvalue_shape_mismatch_raises(which, shape):
-    rotations = random_orthogonal(2, 64, seed=1), random_orthogonal(2, 64, seed=2)
+@pytest.mark.parametrize("heads, shape", [(None, (2, 32)), (None, (3, 64)), (None, (64,)), (None, (2, 2, 64)),
+                                          (2, (2, 64)), (2, (2, 3, 64))], ids=str)
+def test_eigenvalue_shape_mismatch_raises(which, heads, shape):
+    rotations = random_orthogonal(2, 64, seed=1, heads=heads), random_orthogonal(2, 64, seed=2, heads=heads)
     with pytest.raises(ValueError, match=which):
         OscarRotations(*rotations, num_kv_heads=2, **{which: torch.rand(shape)})
 
@@ -229,7 +306,7 @@ def test_missing_file_raises(tmp_path, missing):
         OscarRotations.from_pretrained(tmp_path)
 
 
-@pytest.mark.parametrize("version", [2, "1", None], ids=repr)
+@pytest.mark.parametrize("version", [3, 0, "1", None, True], ids=repr)
 def test_bad_format_version_raises(tmp_path, version):
     random_bundle().save_pretrained(tmp_path)
     path = tmp_path / "oscar_config.json"

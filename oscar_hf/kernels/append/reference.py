@@ -12,8 +12,19 @@ from ..packed import PackedKV
 
 
 def rotate_rows(x: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
-    """``x [..., D] @ rotation`` with fp32 sums rounded once to x's dtype (x itself for None)."""
+    """``x [..., D] @ rotation`` with fp32 sums rounded once to x's dtype (x itself for None). Rows of KV heads
+    ``[B, H, n, D]`` take a rotation ``[D, D]`` or, one per KV head, ``[H, D, D]`` (matmul broadcasting)."""
     return x if rotation is None else (x.float() @ rotation.float()).to(x.dtype)
+
+
+def rotate_queries(query: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
+    """``query [B, Hq, q, D]`` times its KV head's rotation, as :func:`rotate_rows` rounds it: ``rotation [D, D]``, or
+    ``[H, D, D]`` where query head ``h·g + r`` (``g = Hq / H``) takes KV head ``h``'s."""
+    if rotation is None or rotation.ndim == 2:
+        return rotate_rows(query, rotation)
+    batch, hq, q_len, d = query.shape
+    groups = query.unflatten(1, (rotation.shape[0], hq // rotation.shape[0])).flatten(2, 3)  # [B, H, g·q, D]
+    return rotate_rows(groups, rotation).view(batch, hq, q_len, d)
 
 
 def append(packed: PackedKV, key: torch.Tensor, value: torch.Tensor, *, flags: torch.Tensor, max_len: int,
@@ -22,7 +33,8 @@ def append(packed: PackedKV, key: torch.Tensor, value: torch.Tensor, *, flags: t
            query: torch.Tensor | None = None) -> torch.Tensor | None:
     """Store one token's K and V ``[B, H, 1, D]`` as given, demoting the window's ``flush`` oldest rows, rotated,
     where it is full, and advance ``packed.counts`` (int32 ``[8]``); errors are or-ed into ``flags[0]``. Returns
-    ``query`` rotated by ``key_rotation`` where both are given, else None."""
+    ``query`` rotated by ``key_rotation`` where both are given, else None. Rotations are ``[D, D]`` or ``[H, D, D]``
+    (one per KV head; query head ``h·g + r`` takes KV head ``h``'s)."""
     counts = packed.counts
     n_sink, n_hist, n_rec, start = packed.lengths()
     cap = packed.recent_k.shape[2]
@@ -57,7 +69,7 @@ def append(packed: PackedKV, key: torch.Tensor, value: torch.Tensor, *, flags: t
                                (start + demoted) % cap], dtype=counts.dtype)
     if query is None or key_rotation is None:
         return None
-    return rotate_rows(query, key_rotation).contiguous()
+    return rotate_queries(query, key_rotation).contiguous()
 
 
 def _quantize(rows: torch.Tensor, clip: float, bits: int, group: int, scale_dtype: torch.dtype):

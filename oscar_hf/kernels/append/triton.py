@@ -7,7 +7,8 @@ first rotated (on the tensor cores: fp32 sums, rounded once to the model dtype, 
 rows to reach an empty history set the means), clipped, quantized and packed into the history with the write
 kernel's tile (:func:`oscar_hf.kernels.triton_utils.quantize_tile`), and the ring start moves past them: demotion
 moves no data, and the new token never lands on a demoted row. Given the step's query, the K program also rotates its
-GQA group's query rows (for the decode's history programs). K and V each have a program per (batch, head). Every
+GQA group's query rows (for the decode's history programs). A rotation is ``[D, D]`` (every head's: head stride 0)
+or ``[H, D, D]`` (one per KV head): a program reads its head's. K and V each have a program per (batch, head). Every
 program reads the counts; the last to arrive (an atomic count in ``flags[1]``, which it resets) writes them advanced,
 with the counts it started from in ``counts[4:8]``, so that undoing the step is restoring them. Errors (non-finite
 K/V, a scale overflow, a full cache) are or-ed into ``flags[0]`` (:mod:`oscar_hf.kernels.flags`). Design notes:
@@ -134,7 +135,7 @@ def _rotate_queries(q_ptr, stride_qh, q_out, r_ptr, blocks, D: tl.constexpr, G_Q
 def _append_side(
     x_ptr, stride_nb, stride_nh, sink_ptr, stride_sb, stride_sh, stride_sn, ring_ptr, stride_rb, stride_rh, stride_rn,
     codes_ptr, scale_ptr, zero_ptr, stride_cb, stride_ch, stride_cn, stride_zb, stride_zh, stride_zn,
-    mu_ptr, stride_mu_b, stride_mu_h, rot_ptr, q_ptr, stride_qb, stride_qh, q_out_ptr,
+    mu_ptr, stride_mu_b, stride_mu_h, rot_ptr, stride_rot_h, q_ptr, stride_qb, stride_qh, q_out_ptr,
     counts_ptr, flag_ptr, tiny, H, max_len,
     SINK: tl.constexpr, LIMIT: tl.constexpr, CAP: tl.constexpr, FLUSH: tl.constexpr, BLOCK_F: tl.constexpr,
     CENTERED: tl.constexpr, CLIP_INDEX: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
@@ -142,12 +143,14 @@ def _append_side(
     BLOCK_Q: tl.constexpr, FLAG_SHIFT: tl.constexpr,
 ):
     """One side (K or V) of the token of (batch, head) ``tl.program_id(0)``: stored into the sink or the ring, and,
-    where the window is full, the side's FLUSH oldest ring rows demoted (rotated where ROTATE) into its history; the
-    side's flags or-ed into ``flags[0]`` at bit FLAG_SHIFT. G_Q > 0 (K): the GQA group's query rows are rotated too."""
-    rot = _rotation(rot_ptr, D, ROTATE and G_Q > 0)
+    where the window is full, the side's FLUSH oldest ring rows demoted (rotated where ROTATE, by the head's
+    rotation: ``rot_ptr + h·stride_rot_h``) into its history; the side's flags or-ed into ``flags[0]`` at bit
+    FLAG_SHIFT. G_Q > 0 (K): the GQA group's query rows are rotated too."""
     bh = tl.program_id(0)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
+    rot_ptr += h * stride_rot_h
+    rot = _rotation(rot_ptr, D, ROTATE and G_Q > 0)
     ring = ring_ptr + b * stride_rb + h * stride_rh
     if PDL:
         if (tl.load(counts_ptr) >= SINK) & (tl.load(counts_ptr + 2) == LIMIT):
@@ -204,7 +207,7 @@ def _append_token_kernel(
     rk_ptr, rv_ptr, stride_rb, stride_rh, stride_rn,
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, stride_kcb, stride_kch, stride_kcn, stride_vcb, stride_vch,
     stride_vcn, stride_zb, stride_zh, stride_zn,
-    mu_k_ptr, mu_v_ptr, stride_mu_b, stride_mu_h, rot_k_ptr, rot_v_ptr,
+    mu_k_ptr, mu_v_ptr, stride_mu_b, stride_mu_h, rot_k_ptr, rot_v_ptr, stride_rot_kh, stride_rot_vh,
     q_ptr, stride_qb, stride_qh, q_out_ptr,
     counts_ptr, flag_ptr, tiny, H, max_len,
     SINK: tl.constexpr, LIMIT: tl.constexpr, CAP: tl.constexpr, FLUSH: tl.constexpr, BLOCK_F: tl.constexpr,
@@ -222,15 +225,28 @@ def _append_token_kernel(
     if tl.program_id(1) == 0:
         _append_side(k_ptr, stride_nb, stride_nh, sk_ptr, stride_sb, stride_sh, stride_sn, rk_ptr, stride_rb,
                      stride_rh, stride_rn, kc_ptr, ks_ptr, kz_ptr, stride_kcb, stride_kch, stride_kcn, stride_zb,
-                     stride_zh, stride_zn, mu_k_ptr, stride_mu_b, stride_mu_h, rot_k_ptr, q_ptr, stride_qb, stride_qh,
+                     stride_zh, stride_zn, mu_k_ptr, stride_mu_b, stride_mu_h, rot_k_ptr, stride_rot_kh, q_ptr,
+                     stride_qb, stride_qh,
                      q_out_ptr, counts_ptr, flag_ptr, tiny, H, max_len, SINK, LIMIT, CAP, FLUSH, BLOCK_F, CENTERED,
                      K_CLIP_INDEX, D, GROUP, K_BITS, SCALE_DT, ROTATE_K, FP32_DOT, PDL, G_Q, BLOCK_Q, K_FLAGS)
     else:
         _append_side(v_ptr, stride_nb, stride_nh, sv_ptr, stride_sb, stride_sh, stride_sn, rv_ptr, stride_rb,
                      stride_rh, stride_rn, vc_ptr, vs_ptr, vz_ptr, stride_vcb, stride_vch, stride_vcn, stride_zb,
-                     stride_zh, stride_zn, mu_v_ptr, stride_mu_b, stride_mu_h, rot_v_ptr, q_ptr, stride_qb, stride_qh,
+                     stride_zh, stride_zn, mu_v_ptr, stride_mu_b, stride_mu_h, rot_v_ptr, stride_rot_vh, q_ptr,
+                     stride_qb, stride_qh,
                      q_out_ptr, counts_ptr, flag_ptr, tiny, H, max_len, SINK, LIMIT, CAP, FLUSH, BLOCK_F, CENTERED,
                      V_CLIP_INDEX, D, GROUP, V_BITS, SCALE_DT, ROTATE_V, FP32_DOT, PDL, 0, BLOCK_Q, V_FLAGS)
+
+
+def head_rotation(rotation: torch.Tensor | None, heads: int, placeholder: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(R, head stride)`` as the kernels take a rotation: ``[D, D]`` is every head's (stride 0), ``[H, D, D]`` one
+    per head; row-major. None: ``placeholder`` (never read)."""
+    if rotation is None:
+        return placeholder, 0
+    if rotation.ndim == 3 and rotation.shape[0] != heads:
+        raise ValueError(f"a per-head rotation {tuple(rotation.shape)} for {heads} KV heads")
+    rotation = rotation.contiguous()
+    return rotation, rotation.stride(0) if rotation.ndim == 3 else 0
 
 
 def _launch(key, value, key_rotation, value_rotation, windows, history, center, counts, flags, max_len, sink_tokens,
@@ -248,6 +264,8 @@ def _launch(key, value, key_rotation, value_rotation, windows, history, center, 
         q = query if query.stride(-1) == 1 else query.contiguous()
         q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
     group_q = 0 if query is None else q.shape[1] // heads
+    (rot_k, stride_rot_k), (rot_v, stride_rot_v) = (head_rotation(r, heads, key) for r in (key_rotation,
+                                                                                              value_rotation))
     interpreting = triton.knobs.runtime.interpret
     pdl = not interpreting and has_pdl(key.device)
     with on_device_of(key):
@@ -256,7 +274,7 @@ def _launch(key, value, key_rotation, value_rotation, windows, history, center, 
             sink_k, sink_v, *sink_k.stride()[:3],
             rec_k, rec_v, *rec_k.stride()[:3],
             kc, ks, kz, vc, vs, vz, *kc.stride()[:3], *vc.stride()[:3], *ks.stride()[:3],
-            *mu, *(key if r is None else r.contiguous() for r in (key_rotation, value_rotation)),
+            *mu, rot_k, rot_v, stride_rot_k, stride_rot_v,
             q, *q.stride()[:2], q_out,
             counts, flags, torch.finfo(ks.dtype).tiny, heads, max_len,
             SINK=sink_tokens, LIMIT=limit, CAP=rec_k.shape[2], FLUSH=flush,
@@ -294,7 +312,8 @@ def append_token(
     v_clip_index: int,
 ) -> None:
     """Store one token's K and V ``[B, H, 1, D]`` (the model dtype) into a PackedKV's ``windows``, ``history`` and
-    ``centers`` (rows demoted to the history times their rotations ``[D, D]``, the model dtype; None: as they are),
+    ``centers`` (rows demoted to the history times their rotations ``[D, D]`` or ``[H, D, D]``, the model dtype;
+    None: as they are),
     and advance the counts int32
     ``[8]`` (sink, history, recent, ring start; then the same before this step); ``flags`` int32 ``[2]``: the error
     flags and the kernel's arrival count (zero between calls). An operator that torch.compile traces and CUDA graphs
@@ -331,8 +350,8 @@ def append_token_rotating_query(
     k_clip_index: int,
     v_clip_index: int,
 ) -> torch.Tensor:
-    """:func:`append_token`, and the step's query ``[B, Hq, 1, D]`` times ``key_rotation``, returned contiguous: each
-    K program rotates its GQA group's query rows (the decode then runs no stage 0)."""
+    """:func:`append_token`, and the step's query ``[B, Hq, 1, D]`` times ``key_rotation`` (its KV head's),
+    returned contiguous: each K program rotates its GQA group's query rows (the decode then runs no stage 0)."""
     return _launch(key, value, key_rotation, value_rotation, windows, history, center, counts, flags, max_len,
                    sink_tokens, limit, flush, key_bits, value_bits, group, k_clip_index, v_clip_index, query=query)
 
@@ -355,8 +374,10 @@ def append(packed: PackedKV, key: torch.Tensor, value: torch.Tensor, *, flags: t
         max_len: tokens the storage takes in all (a full cache flags ``FULL`` and stores nothing).
         sink_tokens, limit, flush: sink size, most recent-window tokens, tokens demoted at a time.
         k_clip, v_clip: clip ratios of the demoted rows (1.0: none).
-        key_rotation, value_rotation: the history's bases ``[D, D]`` in the model dtype, or None (identity).
-        query: the step's ``[B, Hq, 1, D]``, rotated by ``key_rotation`` in the same kernel where both are given.
+        key_rotation, value_rotation: the history's bases ``[D, D]``, or ``[H, D, D]`` one per KV head, in the
+            model dtype, or None (identity).
+        query: the step's ``[B, Hq, 1, D]``, rotated by ``key_rotation`` (query head ``h·g + r``: KV head ``h``'s) in
+            the same kernel where both are given.
     Returns:
         the rotated query (contiguous), or None without a query or a key rotation.
     """

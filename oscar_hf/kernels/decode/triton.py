@@ -9,7 +9,9 @@ serves one KV head's whole GQA group over one part of the sequence, with a one-p
 a normalised partial output and its log-sum-exp; history programs read packed codes, sink/recent programs model-dtype
 rows (the recent window a ring buffer). Stage 2 (grid ``B·Hq·q × D/32``) merges the parts by log-sum-exp and adds the
 centers' terms (``q·R_K·μ_K`` on the history parts' lse, ``μ_V`` times their share of the weight); with a V rotation
-it writes the windows' and the history's shares apart, and the output is ``o_windows + o_history·R_Vᵀ`` (one GEMM).
+it writes the windows' and the history's shares apart, and the output is ``o_windows + o_history·R_Vᵀ`` (one GEMM;
+batched over the KV heads, from outputs written KV head first, where each KV head has its own R_V). A rotation is
+``[D, D]`` or ``[H, D, D]`` (one per KV head: query head ``h·g + r`` reads KV head ``h``'s).
 On sm_90 every stage is launched early (programmatic dependent launch), waiting for the kernel before it.
 
 History tiles put the tokens on the tensor cores' big dimension and read codes as halfwords: ``(h >> shift) & mask |
@@ -108,20 +110,25 @@ def _unpack(x, P: tl.constexpr, BITS: tl.constexpr, MANTISSA: tl.constexpr, DT: 
 
 @triton.jit
 def _rotate_query_kernel(
-    q_ptr, stride_qb, stride_qh, stride_qt, r_ptr, out_ptr, rows, HQ, Q_LEN,
+    q_ptr, stride_qb, stride_qh, stride_qt, r_ptr, stride_rh, out_ptr, rows, blocks, HEADS, HQ, Q_LEN,
     D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
-    """Stage 0 (grid ``rows / BLOCK_R × D / BLOCK_C``): query rows ``b·Hq·q + head·q + t`` times columns of ``R [D,
-    D]`` on the tensor cores (fp32 sums, rounded once), into a contiguous ``[B, Hq, q, D]``. Launched early, it loads
-    its columns of R (constant; DRAM, as the weights evict them from L2) while the kernel that writes q runs."""
+    """Stage 0 (grid ``parts · blocks × D / BLOCK_C``): query rows ``b·Hq·q + head·q + t`` times columns of ``R [D,
+    D]`` on the tensor cores (fp32 sums, rounded once), into a contiguous ``[B, Hq, q, D]``. The rows are ``parts``
+    consecutive parts of ``rows`` rows, each of ``blocks`` blocks of BLOCK_R rows; part ``i`` takes the rotation at
+    ``r_ptr + (i % HEADS)·stride_rh``: one part per (batch, KV head) for per-head rotations (its GQA group's rows),
+    one part of every row for a shared one. Launched early, it loads its columns of R (constant; DRAM, as the weights
+    evict them from L2) while the kernel that writes q runs."""
+    part = tl.program_id(0) // blocks
     inner = tl.arange(0, D)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    r = tl.load(r_ptr + inner[:, None] * D + cols[None, :])
+    r = tl.load(r_ptr + (part % HEADS).to(tl.int64) * stride_rh + inner[:, None] * D + cols[None, :])
     if PDL:  # wait for q; then stage 1 may launch (stage 2, launched once stage 1 has waited, reads q before waiting)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    live = row < rows
+    local = tl.program_id(0) % blocks * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = local < rows
+    row = part * rows + local
     q_rows = q_ptr + row // Q_LEN // HQ * stride_qb + row // Q_LEN % HQ * stride_qh + row % Q_LEN * stride_qt
     x = tl.load(q_rows[:, None] + inner[None, :], mask=live[:, None], other=0.0)
     acc = dot(x, r, tl.zeros([BLOCK_R, BLOCK_C], tl.float32), FP32_DOT)
@@ -130,18 +137,26 @@ def _rotate_query_kernel(
 
 
 def rotate_query(query: torch.Tensor, rotation: torch.Tensor, pdl: bool = False) -> torch.Tensor:
-    """``query [B, Hq, q, D] @ rotation [D, D]`` (the query's dtype) as a contiguous tensor: stage 0 of the decode,
-    whose pure-torch twin is ``cache.rotate``. ``pdl``: launched early (sm_90), waiting for the kernel before."""
+    """``query [B, Hq, q, D]`` times ``rotation [D, D]``, or per KV head ``[H, D, D]`` (query head ``h·g + r`` takes
+    KV head ``h``'s), in the query's dtype, as a contiguous tensor: stage 0 of the decode, whose pure-torch twin is
+    :func:`oscar_hf.kernels.append.reference.rotate_queries`. ``pdl``: launched early (sm_90), waiting for the kernel
+    before."""
     batch, hq, q_len, d = query.shape
-    rows = batch * hq * q_len
+    heads = rotation.shape[0] if rotation.ndim == 3 else 1
+    if hq % heads:
+        raise ValueError(f"{hq} query heads do not split into the groups of {heads} per-head rotations")
+    parts = batch * heads if rotation.ndim == 3 else 1  # a (batch, KV head)'s GQA group, or every row
+    rows = batch * hq * q_len // parts
     block_r = min(64, max(16, triton.next_power_of_2(rows)))
+    blocks = triton.cdiv(rows, block_r)
+    rotation = rotation.to(query.dtype).contiguous()
     out = torch.empty(batch, hq, q_len, d, dtype=query.dtype, device=query.device)
     interpreting = triton.knobs.runtime.interpret
     with on_device_of(query):
-        _rotate_query_kernel[(triton.cdiv(rows, block_r), d // 64)](
-            query, *query.stride()[:3], rotation.to(query.dtype).contiguous(), out, rows, hq, q_len,
-            D=d, BLOCK_R=block_r, BLOCK_C=64, PDL=pdl, FP32_DOT=query.dtype == torch.bfloat16 and interpreting,
-            num_warps=4, launch_pdl=pdl,
+        _rotate_query_kernel[(parts * blocks, d // 64)](
+            query, *query.stride()[:3], rotation, rotation.stride(0) if rotation.ndim == 3 else 0, out, rows, blocks,
+            heads, hq, q_len, D=d, BLOCK_R=block_r, BLOCK_C=64, PDL=pdl,
+            FP32_DOT=query.dtype == torch.bfloat16 and interpreting, num_warps=4, launch_pdl=pdl,
         )
     return out
 
@@ -696,14 +711,22 @@ def _decode_stage2_kernel(
     mu_k_ptr, mu_v_ptr, stride_mu_b, stride_mu_h, HQ, qk_scale, sinks_ptr,
     G_Q: tl.constexpr, Q_LEN: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     CENTERED: tl.constexpr, APART: tl.constexpr, PDL: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr = False,
 ):
     """Merge the splits of output row ``(b·Hq + head)·Q_LEN + t`` by log-sum-exp over BLOCK_D output channels (grid
     ``B·Hq·Q_LEN × D/BLOCK_D``), BLOCK_S splits per step with an online max (one step for up to 256 splits: each step
     waits on its loads). Rows with no valid key give 0. CENTERED: the history splits (from ``hist_from``) get
     ``q·μ_K`` (q: the rotated query) on their lse, and the output ``μ_V`` times their share of the weight. APART: the
     history splits' share goes to ``out_hist`` and the windows' to ``out`` (both over the whole weight). HAS_SINKS:
-    the head's learned sink logit (``sinks [Hq]``, natural units) is one more term of the merge, with no value."""
+    the head's learned sink logit (``sinks [Hq]``, natural units) is one more term of the merge, with no value.
+    HEAD_MAJOR: both outputs ``[H, B, G_Q, Q_LEN, D]`` (KV head first, for a per-head R_V's batched GEMM), else
+    ``[B, Hq, Q_LEN, D]``."""
     row = tl.program_id(0).to(tl.int64)
+    out_row = row
+    if HEAD_MAJOR:
+        batch = tl.num_programs(0) // (HQ * Q_LEN)
+        q_head = row // Q_LEN % HQ
+        out_row = ((q_head // G_Q * batch + row // Q_LEN // HQ) * G_Q + q_head % G_Q) * Q_LEN + row % Q_LEN
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     if CENTERED:  # independent of stage 1: done before waiting on it
         head = row // Q_LEN % HQ
@@ -750,9 +773,9 @@ def _decode_stage2_kernel(
         else:
             acc += hist_den * mu_v
     inv_den = 1.0 / tl.where(den > 0, den, 1.0)
-    tl.store(out_ptr + row * D + cols, (acc * inv_den).to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + out_row * D + cols, (acc * inv_den).to(out_ptr.dtype.element_ty))
     if APART:
-        tl.store(out_hist_ptr + row * D + cols, (hist_acc * inv_den).to(out_hist_ptr.dtype.element_ty))
+        tl.store(out_hist_ptr + out_row * D + cols, (hist_acc * inv_den).to(out_hist_ptr.dtype.element_ty))
 
 
 def _storage(t: torch.Tensor) -> torch.Tensor:
@@ -788,7 +811,10 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
         mask_strides = mask.stride()
     part_o = torch.empty(batch * hq * q_len, total, d, dtype=torch.float32, device=query.device)
     part_lse = torch.empty(batch * hq * q_len, total, dtype=torch.float32, device=query.device)
-    out = torch.empty(batch, hq, q_len, d, dtype=query.dtype, device=query.device)
+    # a per-head R_V: the outputs KV head first, [H, B·g·q, D], for one batched GEMM
+    head_major = value_rotation is not None and value_rotation.ndim == 3
+    shape = (heads, batch * rows, d) if head_major else (batch, hq, q_len, d)
+    out = torch.empty(shape, dtype=query.dtype, device=query.device)
     out_hist = out if value_rotation is None else torch.empty_like(out)
     scaling = d**-0.5 if scaling is None else scaling
     # code rows narrower than 32 bytes (D = 64 at 2 bits): two tokens' per tile row where that leaves at most 16
@@ -831,9 +857,13 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
             *mu, hq, scaling * LOG2E, mask if sinks is None else sinks,
             G_Q=group_q, Q_LEN=q_len, D=d, BLOCK_D=32, BLOCK_S=min(256, triton.next_power_of_2(total)),
             CENTERED=bool(center), APART=value_rotation is not None, PDL=pdl, HAS_SINKS=sinks is not None,
-            num_warps=4, launch_pdl=pdl,
+            HEAD_MAJOR=head_major, num_warps=4, launch_pdl=pdl,
         )
-    if value_rotation is not None:  # o_windows + o_history · R_Vᵀ, one rounding of the sum
+    # o_windows + o_history · R_Vᵀ, one rounding of the sum: one GEMM, batched over the KV heads for a per-head R_V
+    if head_major:  # [H, B·g·q, D] → [B, q, Hq, D] (a view at batch 1)
+        out = torch.baddbmm(out, out_hist, value_rotation.to(out.dtype).mT)
+        return out.view(heads, batch, group_q, q_len, d).permute(1, 3, 0, 2, 4).reshape(batch, q_len, hq, d)
+    if value_rotation is not None:
         out = torch.addmm(out.view(-1, d), out_hist.view(-1, d), value_rotation.to(out.dtype).mT).view(out.shape)
     return out.transpose(1, 2)
 

@@ -43,7 +43,8 @@ def recent_rows(packed: PackedKV, side: str, n: int) -> torch.Tensor:
 
 
 def unrotate(x: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
-    """fp32 rows ``x [..., D]`` in a rotated basis, back in the model's: ``x @ Rᵀ`` in fp32 (x itself for None)."""
+    """fp32 rows ``x [..., D]`` in a rotated basis, back in the model's: ``x @ Rᵀ`` in fp32 (x itself for None);
+    rows of KV heads ``[B, H, n, D]`` take ``R [D, D]`` or ``[H, D, D]``."""
     return x if rotation is None else x @ rotation.float().mT
 
 
