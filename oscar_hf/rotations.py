@@ -176,30 +176,77 @@ class OscarRotations:
         key_file: str | os.PathLike,
         value_file: str | os.PathLike,
         *,
-        num_kv_heads: int,
+        num_kv_heads: int | None = None,
+        model_config=None,
         source_model: str | None = None,
     ) -> "OscarRotations":
-        """Import the OSCAR reference's rotation files (``k_rotation_qqt_r_h_pbr.pt``, ``v_rotation_sst_r_h_pbr.pt``).
+        """Import the OSCAR reference's rotation files (``k_rotation_qqt_r_h_pbr.pt``, ``v_rotation_sst_r_h_pbr.pt``),
+        read with ``torch.load(weights_only=True)``.
 
-        Each holds ``{"format_version": 1, "objective": ..., "layers": {i: {"rotation": [D, D],
-        "eigenvalues": [D]}}}``; they are read with ``torch.load(weights_only=True)``.
+        Each holds ``{"format_version": 1 or 2, "objective": ..., "layers": {layer_id: {"rotation", "eigenvalues"}}}``:
+        v1 a ``[D, D]`` rotation and ``[D]`` eigenvalues per layer, v2 (per KV head) ``[kv_heads, D, D]`` and
+        ``[kv_heads, D]``. A side with shared rotations beside a per-head one is repeated over the heads.
+
+        Layer ids are the model's: ``0 .. layers-1``, or, for models whose every layer is not full attention (hybrids,
+        sliding-window interleaves), the global ids of the full-attention layers alone (Qwen3.5's 3, 7, 11, ...).
+        Those need ``model_config``, which places them (the other layers get the identity: the cache does not
+        quantize them) and refuses ids that are not the model's full-attention layers. ``num_kv_heads`` defaults to
+        the config's.
         """
+        from .model_support import ModelShape
 
-        def read(path) -> tuple[torch.Tensor, torch.Tensor, str]:
+        shape = ModelShape.from_config(model_config) if model_config is not None else None
+        if num_kv_heads is None:
+            if shape is None:
+                raise ValueError("from_reference needs num_kv_heads= or model_config=")
+            num_kv_heads = shape.num_kv_heads
+
+        def read(path) -> tuple[list[int], torch.Tensor, torch.Tensor, str]:
             data = torch.load(path, map_location="cpu", weights_only=True)
             if not isinstance(data, dict) or not isinstance(data.get("layers"), dict) or not data["layers"]:
                 raise ValueError(f"{path} is not an OSCAR reference rotation file (no 'layers' dict)")
+            if data.get("format_version", 1) not in (1, 2):
+                raise ValueError(f"{path}: unsupported format_version {data.get('format_version')!r} (1 or 2)")
             layers = sorted(data["layers"].items(), key=lambda item: int(item[0]))
             if not all(isinstance(e, dict) and {"rotation", "eigenvalues"} <= set(e) for _, e in layers):
                 raise ValueError(f"{path}: every layer entry needs 'rotation' and 'eigenvalues'")
-            if [int(i) for i, _ in layers] != list(range(len(layers))):
-                raise ValueError(f"{path}: layer ids {[int(i) for i, _ in layers]} are not 0..{len(layers) - 1}")
-            rotation = torch.stack([torch.as_tensor(entry["rotation"]) for _, entry in layers])
+            rotations = [torch.as_tensor(entry["rotation"]) for _, entry in layers]
+            if len({tuple(r.shape) for r in rotations}) != 1 or rotations[0].ndim not in (2, 3):
+                raise ValueError(f"{path}: every layer's rotation must be [D, D] (v1) or [kv_heads, D, D] (v2), all "
+                                 f"alike; got {sorted({tuple(r.shape) for r in rotations})}")
             eigenvalues = torch.stack([torch.as_tensor(entry["eigenvalues"]) for _, entry in layers])
-            return rotation, eigenvalues, str(data.get("objective", "unknown"))
+            objective = str(data.get("objective", "unknown"))
+            return [int(i) for i, _ in layers], torch.stack(rotations), eigenvalues, objective
 
-        key_rotation, key_eigenvalues, key_objective = read(key_file)
-        value_rotation, value_eigenvalues, value_objective = read(value_file)
+        def placed(path, ids: list[int], tensor: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
+            """``tensor [len(ids), ...]`` at the model's layer positions (``fill`` elsewhere)."""
+            if ids == list(range(len(ids))) and (shape is None or len(ids) == shape.num_layers):
+                return tensor
+            if shape is None:
+                raise ValueError(f"{path}: layer ids {ids} are not 0..{len(ids) - 1}; pass model_config= to place "
+                                 "global layer ids (a hybrid's full-attention layers)")
+            full = [i for i, kind in enumerate(shape.layer_types) if kind == "full_attention"]
+            if ids != full:
+                raise ValueError(f"{path}: layer ids {ids} are neither the model's {shape.num_layers} layers nor its "
+                                 f"full-attention layers {full}")
+            out = fill.expand(shape.num_layers, *tensor.shape[1:]).clone()
+            out[full] = tensor
+            return out
+
+        sides = []
+        for path in (key_file, value_file):
+            ids, rotation, eigenvalues, objective = read(path)
+            if rotation.ndim == 4 and rotation.shape[1] != num_kv_heads:
+                raise ValueError(f"{path}: per-head rotations for {rotation.shape[1]} KV heads; the model has "
+                                 f"{num_kv_heads}")
+            eye = torch.eye(rotation.shape[-1]).expand(*rotation.shape[1:])
+            sides.append((placed(path, ids, rotation, eye), placed(path, ids, eigenvalues, torch.zeros(())),
+                          objective))
+        if sides[0][0].ndim != sides[1][0].ndim:  # one side per head: repeat the shared one over the heads
+            sides = [(r, e, o) if r.ndim == 4 else
+                     (r[:, None].expand(-1, num_kv_heads, -1, -1), e[:, None].expand(-1, num_kv_heads, -1), o)
+                     for r, e, o in sides]
+        (key_rotation, key_eigenvalues, key_objective), (value_rotation, value_eigenvalues, value_objective) = sides
         return cls(
             key_rotation,
             value_rotation,

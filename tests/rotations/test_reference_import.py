@@ -102,3 +102,60 @@ def test_arbitrary_pickled_objects_are_refused(tmp_path, reference):
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         OscarRotations.from_reference(path, reference[1], num_kv_heads=2)
     assert not marker.exists()
+
+
+def reference_file_v2(path, rotation, eigenvalues, ids):
+    """A v2 (per KV head) file: ``rotation [len(ids), kv_heads, D, D]`` keyed by the global layer ``ids``."""
+    layers = {i: {"layer_id": i, "rotation": r.float(), "eigenvalues": e.float()}
+              for i, r, e in zip(ids, rotation, eigenvalues)}
+    torch.save({"format_version": 2, "objective": "qqt_r_h_pbr", "source_grouping": "kv_head", "layers": layers}, path)
+    return path
+
+
+def interleaved_config():
+    """Gemma-3-style: full attention at layers 2 and 5 of 6, the others sliding; 2 KV heads of 128."""
+    import transformers
+
+    return transformers.Gemma3TextConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=DIM, sliding_window=8,
+        layer_types=["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"])
+
+
+def test_v2_per_head_files_keyed_by_global_layer_ids(tmp_path):
+    """Per-KV-head rotations of the full-attention layers only (ids 2 and 5) land at those layers, the sliding
+    layers get the identity, and the bundle serves the model; a shared V file beside them is repeated per head."""
+    config = interleaved_config()
+    generator = torch.Generator().manual_seed(3)
+    k = torch.linalg.qr(torch.randn(2, 2, DIM, DIM, generator=generator)).Q
+    k_values = torch.rand(2, 2, DIM, generator=generator)
+    k_file = reference_file_v2(tmp_path / "k.pt", k, k_values, [2, 5])
+    v = random_orthogonal(4)
+    v_layers = {i: {"layer_id": i, "rotation": r, "eigenvalues": torch.zeros(DIM)} for i, r in zip((2, 5), v)}
+    torch.save({"format_version": 1, "objective": "sst_r_h_pbr", "layers": v_layers}, tmp_path / "v.pt")
+    bundle = OscarRotations.from_reference(k_file, tmp_path / "v.pt", model_config=config)
+    assert bundle.per_head and bundle.key_rotation.shape == (6, 2, DIM, DIM) and bundle.num_kv_heads == 2
+    torch.testing.assert_close(bundle.key_rotation[[2, 5]], k)
+    torch.testing.assert_close(bundle.key_eigenvalues[[2, 5]], k_values)
+    assert torch.equal(bundle.key_rotation[0], torch.eye(DIM).expand(2, DIM, DIM))
+    torch.testing.assert_close(bundle.value_rotation[5, 1], v[1])
+    bundle.check_compatible(config)
+    with pytest.raises(ValueError, match="pass model_config="):
+        OscarRotations.from_reference(k_file, tmp_path / "v.pt", num_kv_heads=2)
+
+
+def test_reference_ids_that_are_not_the_models_full_layers_are_refused(tmp_path):
+    config = interleaved_config()
+    k = random_orthogonal(5)
+    layers = {i: {"layer_id": i, "rotation": r, "eigenvalues": torch.zeros(DIM)} for i, r in zip((1, 5), k)}
+    torch.save({"format_version": 1, "objective": "qqt", "layers": layers}, tmp_path / "k.pt")
+    with pytest.raises(ValueError, match=r"layer ids \[1, 5\] are neither the model's 6 layers nor its full-attention "
+                                         r"layers \[2, 5\]"):
+        OscarRotations.from_reference(tmp_path / "k.pt", tmp_path / "k.pt", model_config=config)
+    per_head = torch.linalg.qr(torch.randn(2, 3, DIM, DIM, generator=torch.Generator().manual_seed(6))).Q
+    reference_file_v2(tmp_path / "k3.pt", per_head, torch.zeros(2, 3, DIM), [2, 5])
+    with pytest.raises(ValueError, match="per-head rotations for 3 KV heads; the model has 2"):
+        OscarRotations.from_reference(tmp_path / "k3.pt", tmp_path / "k3.pt", model_config=config)
+    torch.save({"format_version": 3, "layers": layers}, tmp_path / "v3.pt")
+    with pytest.raises(ValueError, match="unsupported format_version 3"):
+        OscarRotations.from_reference(tmp_path / "v3.pt", tmp_path / "v3.pt", model_config=config)
