@@ -9,7 +9,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from helpers import ARCHITECTURES  # noqa: E402
+from helpers import ARCHITECTURES, char_tokenizer, make_model  # noqa: E402
 
 import oscar_hf  # noqa: E402,F401  (registers the "oscar" attention)
 
@@ -21,3 +21,23 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest-xdist: the workers share the
 @pytest.fixture(params=list(ARCHITECTURES))
 def arch(request) -> str:
     return request.param
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module (``pytestmark = pytest.mark.usefixtures("one_thread")``): on a small, busy CPU,
+    torch's OpenMP workers spinning after a forward starve MKL's eigh (seconds instead of a millisecond)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    """A tiny Llama (2 layers, 2 KV heads, head_dim 64) saved with a character tokenizer (with a chat template), so
+    that both load from its folder."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    make_model("llama-mha-d64").save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
+    return str(path)

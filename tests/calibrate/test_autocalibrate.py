@@ -3,6 +3,7 @@ bundle calibrates once, saves the bundle in the Hugging Face cache folder, and r
 the model's config, revision, the text and the settings; the recipe comes from the model."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,12 +19,7 @@ ARCH = "llama-mha-d64"
 BUDGET = 128  # calibration tokens: the shipped text's first 128 characters with the character tokenizer
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # see test_calibrate.one_thread
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture
@@ -49,15 +45,6 @@ def calibrations(monkeypatch):
     return count
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A tiny Llama saved with a character tokenizer, so that both load from its folder."""
-    path = tmp_path_factory.mktemp("tiny-llama")
-    make_model(ARCH).save_pretrained(path)
-    char_tokenizer().save_pretrained(path)
-    return path
-
-
 def load(model_dir) -> transformers.PreTrainedModel:
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
@@ -73,7 +60,7 @@ def test_no_bundle_calibrates_once_into_the_hf_cache_and_reuses_it(model_dir, hf
     cache = OscarQuantizedCache.from_pretrained(model=model)
     assert calibrations == [BUDGET]
     [folder] = bundles(hf_home)
-    assert folder.parts[:3] == ("oscar-hf", "rotations", model_dir.name) and folder.name.startswith("local-")
+    assert folder.parts[:3] == ("oscar-hf", "rotations", Path(model_dir).name) and folder.name.startswith("local-")
     saved = json.loads((hf_home / folder / "oscar_config.json").read_text())
     assert saved["calibration"]["data"] == auto.SHIPPED_TEXT_NAME and saved["calibration"]["tokens"] == BUDGET
     assert saved["source_model"] == str(model_dir)
@@ -105,7 +92,7 @@ def test_the_key_follows_config_revision_text_and_budget_but_not_dtype(model_dir
     rotations_for_model(load(model_dir), tokenizer, num_tokens=BUDGET // 2)  # another budget
     assert len(calibrations) == 5
     folders = bundles(hf_home)
-    assert len(folders) == 5 and {f.parent.name for f in folders} == {model_dir.name}
+    assert len(folders) == 5 and {f.parent.name for f in folders} == {Path(model_dir).name}
     assert sum(f.name.startswith("0123abcd") for f in folders) == 1
 
 

@@ -22,14 +22,7 @@ ARCH = "qwen3-gqa-qknorm-d128"  # 4 query heads, 2 KV heads (groups of 2), head_
 TENSORS = ("key_rotation", "value_rotation", "key_eigenvalues", "value_eigenvalues")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One thread: on a small, busy CPU, torch's OpenMP workers spinning after a forward starve MKL's eigh (seconds
-    instead of a millisecond)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

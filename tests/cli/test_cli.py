@@ -9,29 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import austen, char_tokenizer, make_model
+from helpers import austen
 
 from oscar_hf import OscarConfig, OscarRotations, autocalibrate, calibrate, cli, load_recipe
 from oscar_hf.calibrate import EIGEN_ORDERS, K_TARGETS, V_TARGETS
 from oscar_hf.cli import main
 from oscar_hf.recipes import available_recipes
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # see test_calibrate.one_thread
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    """A tiny Llama (2 layers, 2 KV heads, head_dim 64) and a character tokenizer with a chat template."""
-    path = tmp_path_factory.mktemp("tiny-llama")
-    make_model("llama-mha-d64").save_pretrained(path)
-    char_tokenizer().save_pretrained(path)
-    return str(path)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import char_tokenizer, make_model
+from helpers import char_tokenizer
 
 from oscar_hf import demo
 from oscar_hf.cli import main
@@ -14,14 +14,6 @@ from oscar_hf.cli import main
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ["demo", "--context-tokens", "300", "--score-tokens", "6", "--max-new-tokens", "4", "--calibration-tokens",
         "256", "--dtype", "float32", "--threads", "1"]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny-llama")
-    make_model("llama-mha-d64").save_pretrained(path)
-    char_tokenizer().save_pretrained(path)
-    return str(path)
 
 
 def test_demo_writes_nothing_into_the_working_directory(model_dir, tmp_path, monkeypatch, capsys):
