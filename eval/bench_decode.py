@@ -43,6 +43,7 @@ SHAPES = {  # name: (query heads, KV heads, head_dim)
     "d256-16q4kv": (16, 4, 256),
     "gpt-oss-20b": (64, 8, 64),
     "gemma2-9b": (16, 8, 256),
+    "gemma4-12b-full": (16, 1, 512),  # Gemma-4-12B's full-attention layers (its sliding ones: 8 KV heads x 256)
 }
 # The attention terms a shape's model adds (decode's keyword arguments): gpt-oss's learned sink logit per query head,
 # Gemma-2's logit soft-capping. The SDPA baseline reads the same bytes without them (SDPA has neither).
@@ -282,9 +283,11 @@ def sweep_configs(batch: int, d: int, fast_ok: bool) -> list[DecodeConfig]:
         64: [(64, 1, 3), (128, 1, 3), (128, 1, 2), (64, 1, 4), (64, 2, 3)],
         128: [(64, 1, 3), (128, 1, 3), (32, 1, 3), (64, 1, 2), (64, 1, 4), (64, 2, 3)],
         256: [(32, 1, 3), (16, 1, 3), (64, 1, 3), (32, 1, 2), (32, 1, 4), (32, 2, 3)],
+        512: [(32, 4, 2), (32, 2, 2), (64, 4, 2), (64, 2, 2), (16, 2, 2), (32, 4, 3)],
     }[d]
     configs = [replace(base, block_n=n, num_warps=w, num_stages=s) for n, w, s in tiles]
-    configs += [replace(base, programs_per_sm=p, min_program_tiles=0) for p in (8, 10, 12, 24)]
+    configs += [replace(base, programs_per_sm=p, min_program_tiles=0) for p in ((2, 3, 6) if d > 256 else
+                                                                                 (8, 10, 12, 24))]
     configs += [replace(base, max_registers=r) for r in (None, 168, 128) if r != base.max_registers]
     return configs + ([replace(base, fast_unpack=False)] if fast_ok else [])
 
@@ -459,6 +462,7 @@ def main():
         grid = [("qwen3-8b", b, t) for b in (1, 8) for t in (32768, 131072)]
         grid += [("qwen3-8b", 32, 32768), ("llama3.2-1b-d64", 8, 32768), ("d256-16q4kv", 8, 32768)]
         grid += [("gpt-oss-20b", 1, 131072), ("gpt-oss-20b", 8, 32768), ("gemma2-9b", 8, 32768)]
+        grid += [("gemma4-12b-full", 1, 131072), ("gemma4-12b-full", 8, 32768)]
     else:
         grid = [(s, b, t) for s in SHAPES for b in (1, 8, 32) for t in (4096, 16384, 32768, 131072)]
     if ARGS.shapes:

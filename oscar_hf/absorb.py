@@ -24,6 +24,9 @@ def absorb_value_rotation(model: torch.nn.Module, rotations: OscarRotations) -> 
     """
     shape = ModelShape.from_config(model.config)
     rotations.check_compatible(model.config)
+    if not all(shape.reads_own_kv(i) for i in range(shape.num_layers)):
+        raise ValueError("V absorption cannot serve a model whose layers share K/V (the layers that read another "
+                         "layer's V would need its rotation folded into their o_proj too)")
     attentions = [
         m for m in model.modules() if hasattr(m, "v_proj") and hasattr(m, "o_proj") and hasattr(m, "layer_idx")
     ]
@@ -32,12 +35,15 @@ def absorb_value_rotation(model: torch.nn.Module, rotations: OscarRotations) -> 
             f"V absorption needs attention modules with v_proj, o_proj and layer_idx; found {len(attentions)} "
             f"for {shape.num_layers} layers"
         )
-    value_rotation = rotations.value_rotation.clone()
-    d, heads = shape.head_dim, shape.num_kv_heads
+    value_rotation = [r.clone() for r in rotations.value_rotation]
     for attention in attentions:
         i = attention.layer_idx
         if shape.layer_types[i] != "full_attention":
             continue
+        if attention.v_proj is None:
+            raise ValueError(f"V absorption needs a v_proj in layer {i}; its values come from k_proj (K = V "
+                             "attention), so R_V cannot be folded into them")
+        d, heads = shape.head_dims[i], shape.kv_heads[i]
         r = rotations.value_rotation[i].double().to(attention.v_proj.weight.device)
         r = r.expand(heads, d, d)  # [H, D, D]: each KV head's (the layer's, where they share it)
         v_weight = attention.v_proj.weight  # [H·D, hidden]
@@ -55,7 +61,7 @@ def absorb_value_rotation(model: torch.nn.Module, rotations: OscarRotations) -> 
         value_rotation,
         key_eigenvalues=rotations.key_eigenvalues,
         value_eigenvalues=rotations.value_eigenvalues,
-        num_kv_heads=rotations.num_kv_heads,
+        num_kv_heads=rotations.kv_heads,
         source_model=rotations.source_model,
         method=rotations.method,
         calibration={**rotations.calibration, "value_rotation_absorbed": True},

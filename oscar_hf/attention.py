@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from .cache import ATTN_IMPLEMENTATION, OscarKV
 from .kernels import attention_backend
-from .kernels.decode.reference import dense_attention
+from .kernels.decode.reference import model_attention
 
 
 def oscar_attention_forward(
@@ -49,12 +48,10 @@ def oscar_attention_forward(
 @torch.compiler.disable  # a graph break inside a compiled forward
 def _attend_on_host(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
-    if not isinstance(key, OscarKV):
-        if softcap is not None or sinks is not None:
-            return dense_attention(module, query, key, value, attention_mask, scaling, softcap, sinks), None
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
+    if not isinstance(key, OscarKV):  # the model's own K/V (a sliding-window layer's, or another cache's)
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("softcap", "s_aux")}
+        return model_attention(module, query, key, value, attention_mask, scaling, softcap, sinks, dropout=dropout,
+                               **kwargs), None
     layer = key.layer
     layer.check_flags()  # (stores a token a graph step left pending first)
     if kwargs.get("sliding_window") is not None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import cache_utils
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from .config import OscarConfig
@@ -46,6 +47,9 @@ HISTORY_GROWTH = 1024  # tokens; a growing history grows by at least this much, 
 HISTORY_ALIGN = 16
 BEFORE_STEP = 4  # a static layer's counts[4:8]: its counts before its last graph step, or counts[4] = -1
 SIDES = ("key", "value")
+# The cache layer of a layer that reads an earlier layer's K/V (KV sharing) and stores none: transformers' own
+# (an empty DynamicLayer where transformers has none)
+NoKVLayer = getattr(cache_utils, "DummyLayer", cache_utils.DynamicLayer)
 
 
 def _is_identity(rotation: torch.Tensor) -> bool:
@@ -712,7 +716,9 @@ class OscarQuantizedCache(Cache):
         if config.backend == "triton" and "triton" not in WRITE_BACKENDS:
             raise ImportError("OscarConfig.backend='triton' needs the triton package (pip install oscar-hf[triton])")
         shape = ModelShape.from_config(model_config)
-        config.resolved_group_size(shape.head_dim)
+        for i, kind in enumerate(shape.layer_types):
+            if kind == "full_attention":
+                config.resolved_group_size(shape.head_dims[i])
         for i in config.key_bits_layers or ():
             if i >= len(shape.layer_types) or shape.layer_types[i] != "full_attention":
                 raise ValueError(f"OscarConfig.key_bits_layers lists layer {i}, which is not a full-attention layer "
@@ -720,7 +726,9 @@ class OscarQuantizedCache(Cache):
                                  "the model dtype)")
         layers = []
         for i, kind in enumerate(shape.layer_types):
-            if kind == "full_attention":
+            if not shape.reads_own_kv(i):  # reads an earlier layer's K/V (KV sharing): stores nothing
+                layers.append(NoKVLayer())
+            elif kind == "full_attention":
                 rotation_pair = (rotations.key_rotation[i], rotations.value_rotation[i])
                 layers.append(DynamicOscarLayer(config.for_layer(i), *rotation_pair) if max_cache_len is None else
                               StaticOscarLayer(config.for_layer(i), *rotation_pair, max_cache_len))
@@ -793,7 +801,7 @@ class OscarQuantizedCache(Cache):
         for layer in self.layers:
             if isinstance(layer, OscarLayer):
                 total += layer.nbytes
-            elif layer.is_initialized:
+            elif layer.is_initialized and getattr(layer, "keys", None) is not None:
                 total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
         return total
 
@@ -804,7 +812,7 @@ class OscarQuantizedCache(Cache):
         for layer in self.layers:
             if isinstance(layer, OscarLayer):
                 b, e = layer.stored_bits_and_elements()
-            elif layer.is_initialized:
+            elif layer.is_initialized and getattr(layer, "keys", None) is not None:
                 e = layer.keys.numel() + layer.values.numel()
                 b = 8 * layer.keys.element_size() * e
             else:

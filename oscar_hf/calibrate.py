@@ -84,15 +84,13 @@ class MomentObserver:
     def __init__(self, targets: tuple[str, ...], shape, device, query_cov: dict[int, torch.Tensor] | None = None):
         self.query_cov = query_cov
         self.wanted = set() if query_cov else {TARGET_MOMENTS[t] for t in targets if t in TARGET_MOMENTS}
-        h, d = shape.num_kv_heads, shape.head_dim
-        sizes = {name: (h, d, d) for name in self.wanted} | {"tokens": ()}
-        if query_cov is not None:
-            sizes |= {"wvv": (h, d, d), "wsum": (h,)}
-        self.sums = {
-            f"{layer}.{name}": torch.zeros(size, dtype=torch.float64, device=device)
-            for layer in range(shape.num_layers)
-            for name, size in sizes.items()
-        }
+        self.sums = {}
+        for layer, (h, d) in enumerate(zip(shape.kv_heads, shape.head_dims)):
+            sizes = {name: (h, d, d) for name in self.wanted} | {"tokens": ()}
+            if query_cov is not None:
+                sizes |= {"wvv": (h, d, d), "wsum": (h,)}
+            self.sums |= {f"{layer}.{name}": torch.zeros(size, dtype=torch.float64, device=device)
+                          for name, size in sizes.items()}
 
     def _add(self, name: str, value: torch.Tensor) -> None:
         self.sums[name] += value.to(self.sums[name].device)
@@ -294,10 +292,12 @@ def calibrate(
     if moments.wanted:
         _forward_all(model, moments, chunks, batch_size, "calibrate (pass 1)", show_progress)
     sums = _reduce(moments.sums)
-    group = shape.num_heads // shape.num_kv_heads
+    groups = [shape.num_heads // h for h in shape.kv_heads]  # query heads per KV head, by layer
+    # layers that store no K/V of their own (KV sharing): their queries count towards the layer they read
+    layers = [i for i in range(shape.num_layers) if shape.reads_own_kv(i)]
 
     if v_target == "sst":
-        query_cov = {i: sums[f"{i}.qq"] / (sums[f"{i}.tokens"] * group) for i in range(shape.num_layers)}
+        query_cov = {i: sums[f"{i}.qq"] / (sums[f"{i}.tokens"] * groups[i]) for i in layers}
         weighted = MomentObserver((), shape, device, query_cov=query_cov)
         _forward_all(model, weighted, chunks, batch_size, "calibrate (pass 2)", show_progress)
         sums.update(_reduce(weighted.sums))
@@ -307,34 +307,36 @@ def calibrate(
         if target == "sst":
             per_kv_head = sums[f"{layer}.wvv"] / sums[f"{layer}.wsum"][:, None, None]
         else:
+            group = groups[layer]
             name, per_row = {"qqt": ("qq", group), "ktk": ("kk", 1), "vtv": ("vv", 1), "softmax": ("oo", group)}[
                 target]
             per_kv_head = sums[f"{layer}.{name}"] / (sums[f"{layer}.tokens"] * per_row)
         per_kv_head = per_kv_head.cpu()
         return list(per_kv_head) if per_head else [per_kv_head.mean(0)]
 
-    heads = (shape.num_kv_heads,) if per_head else ()
-
-    def rotations_for(target: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotations ``[layers, (H,) D, D]`` and eigenvalues ``[layers, (H,) D]`` for ``target``."""
-        d = shape.head_dim
-        if target in DATA_FREE:
-            matrix = DATA_FREE[target](d).double()
-            return matrix.expand(shape.num_layers, *heads, d, d), torch.zeros(shape.num_layers, *heads, d)
-        pairs = [[rotation_from_covariance(cov, composition, eigen_order) for cov in covariances(i, target)]
-                 for i in range(shape.num_layers)]
-        rotation = torch.stack([torch.stack([r for r, _ in layer]) for layer in pairs])  # [layers, H or 1, D, D]
-        values = torch.stack([torch.stack([v for _, v in layer]) for layer in pairs])
-        return (rotation, values) if per_head else (rotation[:, 0], values[:, 0])
+    def rotations_for(target: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per layer: rotations ``[(H,) D, D]`` and eigenvalues ``[(H,) D]`` for ``target`` (the identity where a
+        layer reads another layer's K/V)."""
+        out = []
+        for i, (h, d) in enumerate(zip(shape.kv_heads, shape.head_dims)):
+            heads = (h,) if per_head else ()
+            if target in DATA_FREE or i not in layers:
+                matrix = DATA_FREE[target](d) if target in DATA_FREE else torch.eye(d, dtype=torch.float64)
+                out.append((matrix.double().expand(*heads, d, d), torch.zeros(*heads, d)))
+                continue
+            pairs = [rotation_from_covariance(cov, composition, eigen_order) for cov in covariances(i, target)]
+            rotation, values = torch.stack([r for r, _ in pairs]), torch.stack([v for _, v in pairs])  # [H or 1, ...]
+            out.append((rotation, values) if per_head else (rotation[0], values[0]))
+        return [r.float() for r, _ in out], [v.float() for _, v in out]
 
     key_rotation, key_eigenvalues = rotations_for(k_target)
     value_rotation, value_eigenvalues = rotations_for(v_target)
     rotations = OscarRotations(
-        key_rotation.float(),
-        value_rotation.float(),
-        key_eigenvalues=key_eigenvalues.float(),
-        value_eigenvalues=value_eigenvalues.float(),
-        num_kv_heads=shape.num_kv_heads,
+        key_rotation,
+        value_rotation,
+        key_eigenvalues=key_eigenvalues,
+        value_eigenvalues=value_eigenvalues,
+        num_kv_heads=shape.kv_heads,
         source_model=getattr(model.config, "_name_or_path", None) or None,
         method="oscar",
         calibration={

@@ -43,8 +43,12 @@ class CapturedKV:
         self.layer, self.states = layer, states
 
     def attend(self, module, query, value: "CapturedKV", attention_mask, scaling) -> tuple[torch.Tensor, None]:
-        """Plain sdpa over the raw K/V, reporting q, k, v and the output to the observer."""
+        """Plain sdpa over the raw K/V, reporting q, k, v and the output to the observer. A layer that reads this
+        layer's K/V (KV sharing) is not reported: in a forward that keeps one logit, transformers runs those layers
+        on the last token alone."""
         out, _ = sdpa_attention_forward(module, query, self.states, value.states, attention_mask, scaling=scaling)
+        if getattr(module, "layer_idx", self.layer.layer_idx) != self.layer.layer_idx:
+            return out, None
         scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
         self.layer.observer.observe(
             self.layer.layer_idx, query, self.states, value.states, out.transpose(1, 2), scaling

@@ -168,8 +168,9 @@ def cmd_info(args) -> None:
     rotations = OscarRotations.from_pretrained(args.bundle, subfolder=args.subfolder)
     config = rotations.config
     print(rotations)
-    print(f"key_rotation {tuple(rotations.key_rotation.shape)}, value_rotation {tuple(rotations.value_rotation.shape)}"
-          f" ({'one per layer and KV head' if rotations.per_head else 'one per layer'})")
+    shapes = sorted({tuple(r.shape) for r in rotations.key_rotation})
+    print(f"{rotations.num_layers} layers, rotations {' or '.join(map(str, shapes))} each "
+          f"({'one per layer and KV head' if rotations.per_head else 'one per layer'}, K and V alike)")
     print(f"calibration: {json.dumps(rotations.calibration)}")
     if config is None:
         from .config import OscarConfig
@@ -178,10 +179,10 @@ def cmd_info(args) -> None:
         print("no recommended config in the bundle; using OscarConfig() defaults")
     print(f"config: {json.dumps(config.to_dict())}")
     for length in (4096, 32768, 131072):
-        print(
-            f"bits per element at {length // 1024}K tokens: "
-            f"{config.bits_per_element(rotations.head_dim, length, num_layers=len(rotations.key_rotation)):.3f}"
-        )
+        bits = [f"{config.bits_per_element(d, length, num_layers=rotations.num_layers):.3f}"
+                + (f" (head_dim {d})" if len(set(rotations.head_dims)) > 1 else "")
+                for d in sorted(set(rotations.head_dims))]
+        print(f"bits per element at {length // 1024}K tokens: {', '.join(bits)}")
     if rotations.diagnostics:
         print(format_table(rotations.diagnostics))
 

@@ -19,8 +19,6 @@ UNSUPPORTED_MODEL_TYPES = {
     "minicpm3": "multi-head latent attention (MLA)",
     "longcat_flash": "multi-head latent attention (MLA)",
     "glm4_moe_lite": "multi-head latent attention (MLA)",
-    "gemma3n": "KV shared across layers",
-    "gemma4": "KV shared across layers",
     "jetmoe": "K/V reshaped after the cache update",
     "diffllama": "K/V reshaped after the cache update",
 }
@@ -32,15 +30,44 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True)
 class ModelShape:
-    """KV geometry of a decoder, read from its (text) config."""
+    """KV geometry of a decoder, read from its (text) config, per layer where layers differ (Gemma-4's full layers
+    have twice the sliding layers' head_dim, and their own KV-head count)."""
 
     num_layers: int
     num_heads: int
-    num_kv_heads: int
-    head_dim: int
+    head_dims: tuple[int, ...]
+    kv_heads: tuple[int, ...]
     layer_types: tuple[str, ...]
     sliding_window: int | None
     attention_chunk_size: int | None = None
+    # per layer: None, "store" (its K/V are read by later layers too) or "reuse" (it reads another layer's K/V and
+    # stores none: transformers' KV sharing, Gemma-3n and Gemma-4)
+    kv_sharing: tuple[str | None, ...] | None = None
+
+    @property
+    def head_dim(self) -> int:
+        """The head_dim of every layer; ValueError where layers differ (see ``head_dims``)."""
+        return self._uniform("head_dim", self.head_dims)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """The KV-head count of every layer; ValueError where layers differ (see ``kv_heads``)."""
+        return self._uniform("num_kv_heads", self.kv_heads)
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every layer has the same head_dim and KV-head count."""
+        return len(set(self.head_dims)) == 1 and len(set(self.kv_heads)) == 1
+
+    @staticmethod
+    def _uniform(name: str, values: tuple[int, ...]) -> int:
+        if len(set(values)) != 1:
+            raise ValueError(f"{name} differs between layers ({sorted(set(values))}); read it per layer")
+        return values[0]
+
+    def reads_own_kv(self, layer: int) -> bool:
+        """Whether ``layer`` stores K/V of its own (False for a KV-sharing layer that reads an earlier one's)."""
+        return self.kv_sharing is None or self.kv_sharing[layer] != "reuse"
 
     def window(self, layer_type: str) -> int | None:
         """Tokens a ``layer_type`` layer keeps (transformers' own layer holds them): the sliding window, the attention
@@ -52,7 +79,11 @@ class ModelShape:
     def from_config(cls, config) -> "ModelShape":
         cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         num_heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+        layers = cfg.num_hidden_layers
+        # per-layer configs (transformers' heterogeneous configs); the config itself for every layer where absent
+        per_layer = list(getattr(cfg, "per_layer_config", None) or [cfg] * layers)
+        head_dims = tuple(getattr(c, "head_dim", None) or c.hidden_size // num_heads for c in per_layer)
+        kv_heads = tuple(getattr(c, "num_key_value_heads", None) or num_heads for c in per_layer)
         sliding_window = getattr(cfg, "sliding_window", None)
         layer_types = getattr(cfg, "layer_types", None)
         if layer_types is None:
@@ -62,15 +93,17 @@ class ModelShape:
                 kind = "chunked_attention"
             else:
                 kind = "full_attention"
-            layer_types = [kind] * cfg.num_hidden_layers
+            layer_types = [kind] * layers
+        sharing = getattr(cfg, "kv_sharing_modes", None)
         return cls(
-            num_layers=cfg.num_hidden_layers,
+            num_layers=layers,
             num_heads=num_heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim,
+            head_dims=head_dims,
+            kv_heads=kv_heads,
             layer_types=tuple(layer_types),
             sliding_window=sliding_window,
             attention_chunk_size=getattr(cfg, "attention_chunk_size", None),
+            kv_sharing=tuple(sharing) if sharing is not None else None,
         )
 
 
@@ -95,12 +128,14 @@ def check_model_supported(model: torch.nn.Module) -> ModelShape:
         raise UnsupportedModelError(f"{name} does not route attention through transformers' AttentionInterface")
     if getattr(cfg, "kv_lora_rank", None) is not None or getattr(cfg, "q_lora_rank", None) is not None:
         raise UnsupportedModelError(f"{name}: multi-head latent attention (MLA) is not supported")
-    if getattr(cfg, "num_kv_shared_layers", 0) or getattr(cfg, "kv_sharing_modes", None) is not None:
-        raise UnsupportedModelError(f"{name}: KV shared across layers is not supported")
+    if getattr(cfg, "num_kv_shared_layers", 0) and getattr(cfg, "kv_sharing_modes", None) is None:
+        raise UnsupportedModelError(f"{name}: KV shared across layers without transformers' kv_sharing_modes (the "
+                                    "cache cannot tell which layers store K/V)")
     shape = ModelShape.from_config(config)
     v_head_dim = getattr(cfg, "v_head_dim", None)
-    if v_head_dim is not None and v_head_dim != shape.head_dim:
-        raise UnsupportedModelError(f"{name}: value head_dim {v_head_dim} differs from key head_dim {shape.head_dim}")
+    if v_head_dim is not None and {v_head_dim} != set(shape.head_dims):
+        raise UnsupportedModelError(f"{name}: value head_dim {v_head_dim} differs from key head_dim "
+                                    f"{sorted(set(shape.head_dims))}")
     unknown = sorted(set(shape.layer_types) - set(SUPPORTED_LAYER_TYPES))
     if unknown:
         raise UnsupportedModelError(f"{name}: layer types {unknown} are not supported (only {SUPPORTED_LAYER_TYPES})")

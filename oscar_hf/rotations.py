@@ -7,8 +7,9 @@ rotation per layer shared by its KV heads, or ``[layers, H, D, D]``, one per KV 
 ``[layers, D]`` or ``[layers, H, D]``), a ``README.md`` model card and, after calibration, ``diagnostics.json``.
 Rows are rotated on the right: ``k_rot = k @ key_rotation[layer]`` (``[B, H, T, D] @ [H, D, D]`` broadcasts).
 
-``format_version`` 1 holds shared rotations only; 2 adds per-KV-head ones. A bundle is written with the lowest
-version that holds it (shared bundles stay readable by older oscar-hf); both load.
+``format_version`` 1 holds shared rotations only; 2 adds per-KV-head ones; 3 holds models whose layers differ in
+head_dim or KV heads, one tensor per layer (``key_rotation.0``, ``key_rotation.1``, ...). A bundle is written with
+the lowest version that holds it (older oscar-hf keeps reading what it can); all load.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -28,9 +30,25 @@ CONFIG_NAME = "oscar_config.json"
 WEIGHTS_NAME = "rotations.safetensors"
 DIAGNOSTICS_NAME = "diagnostics.json"
 CARD_NAME = "README.md"
-FORMAT_VERSION = 2  # the newest: per-KV-head rotations
-SHARED_FORMAT_VERSION = 1  # shared (per-layer) rotations only
+FORMAT_VERSION = 3  # the newest: layers of differing geometry, one tensor per layer
+PER_HEAD_FORMAT_VERSION = 2  # per-KV-head rotations, stacked
+SHARED_FORMAT_VERSION = 1  # shared (per-layer) rotations only, stacked
 ORTHOGONALITY_TOLERANCE = 1e-4
+TENSOR_NAMES = ("key_rotation", "value_rotation", "key_eigenvalues", "value_eigenvalues")
+
+
+def _stacked(layers: list[torch.Tensor]) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """Per-layer tensors as one ``[layers, ...]`` tensor where their shapes are alike, else as a tuple."""
+    return torch.stack(layers) if len({tuple(t.shape) for t in layers}) == 1 else tuple(layers)
+
+
+def _summary(values: tuple[int, ...]) -> str:
+    """``64`` where every layer has 64, else ``256/512 by layer``."""
+    return str(values[0]) if len(set(values)) == 1 else "/".join(map(str, sorted(set(values)))) + " by layer"
+
+
+def _shapes(rotations) -> list[tuple[int, ...]] | tuple[int, ...]:
+    return tuple(rotations.shape) if isinstance(rotations, torch.Tensor) else [tuple(r.shape) for r in rotations]
 
 
 def hadamard_matrix(n: int) -> torch.Tensor:
@@ -44,15 +62,17 @@ def hadamard_matrix(n: int) -> torch.Tensor:
 
 
 class OscarRotations:
-    """Rotations ``R_K`` and ``R_V`` per layer (float32 ``[layers, D, D]``, shared by the layer's KV heads) or per
-    layer and KV head (``[layers, H, D, D]``: ``per_head``), their eigenvalues and metadata.
+    """Rotations ``R_K`` and ``R_V`` per layer (float32 ``[D, D]``, shared by the layer's KV heads) or per layer and
+    KV head (``[H, D, D]``: ``per_head``), their eigenvalues and metadata.
+
+    Where every layer has the same geometry the rotations are one tensor ``[layers, (H,) D, D]``; a model whose
+    layers differ in head_dim or KV heads (Gemma-4) has a tuple of per-layer tensors instead. Both index by layer.
 
     Args:
-        key_rotation, value_rotation: orthogonal matrices ``[layers, head_dim, head_dim]`` or
-            ``[layers, num_kv_heads, head_dim, head_dim]``, both alike.
-        key_eigenvalues, value_eigenvalues: the rotations' shape without the last dim (``[layers, head_dim]`` or
-            ``[layers, num_kv_heads, head_dim]``), or None (zeros) for data-free bundles.
-        num_kv_heads: KV heads of the model the bundle was made for.
+        key_rotation, value_rotation: orthogonal matrices ``[layers, (H,) D, D]``, or a sequence of one ``[(H,) D,
+            D]`` per layer; both alike.
+        key_eigenvalues, value_eigenvalues: alike without the last dim, or None (zeros) for data-free bundles.
+        num_kv_heads: KV heads of the model the bundle was made for: one count, or one per layer.
         source_model: name or path of that model.
         method: how the rotations were made ("identity", "hadamard", "oscar", ...).
         calibration: free-form JSON-able details (data, token count, targets, ...).
@@ -62,32 +82,39 @@ class OscarRotations:
 
     def __init__(
         self,
-        key_rotation: torch.Tensor,
-        value_rotation: torch.Tensor,
+        key_rotation: torch.Tensor | Sequence[torch.Tensor],
+        value_rotation: torch.Tensor | Sequence[torch.Tensor],
         *,
-        num_kv_heads: int,
-        key_eigenvalues: torch.Tensor | None = None,
-        value_eigenvalues: torch.Tensor | None = None,
+        num_kv_heads: int | Sequence[int],
+        key_eigenvalues: torch.Tensor | Sequence[torch.Tensor] | None = None,
+        value_eigenvalues: torch.Tensor | Sequence[torch.Tensor] | None = None,
         source_model: str | None = None,
         method: str = "custom",
         calibration: dict | None = None,
         config: OscarConfig | None = None,
         diagnostics: list[dict] | None = None,
     ):
-        self.key_rotation = self._checked_rotation("key_rotation", key_rotation)
-        self.value_rotation = self._checked_rotation("value_rotation", value_rotation)
-        if self.value_rotation.shape != self.key_rotation.shape:
+        self.key_rotation = self._checked_rotations("key_rotation", key_rotation)
+        self.value_rotation = self._checked_rotations("value_rotation", value_rotation)
+        shapes = [tuple(r.shape) for r in self.key_rotation]
+        if [tuple(r.shape) for r in self.value_rotation] != shapes:
             raise ValueError(
-                f"value_rotation shape {tuple(self.value_rotation.shape)} differs from "
-                f"key_rotation shape {tuple(self.key_rotation.shape)}"
+                f"value_rotation shapes {_shapes(self.value_rotation)} differ from key_rotation shapes "
+                f"{_shapes(self.key_rotation)}"
             )
-        shape = tuple(self.key_rotation.shape[:-1])
-        self.key_eigenvalues = self._checked_eigenvalues("key_eigenvalues", key_eigenvalues, shape)
-        self.value_eigenvalues = self._checked_eigenvalues("value_eigenvalues", value_eigenvalues, shape)
-        self.num_kv_heads = int(num_kv_heads)
-        if self.per_head and self.key_rotation.shape[1] != self.num_kv_heads:
-            raise ValueError(f"per-KV-head rotations {tuple(self.key_rotation.shape)} have "
-                             f"{self.key_rotation.shape[1]} heads, but num_kv_heads is {self.num_kv_heads}")
+        if len({len(s) for s in shapes}) != 1:
+            raise ValueError(f"rotations must be per layer or per layer and KV head in every layer; got {shapes}")
+        self.key_eigenvalues = self._checked_eigenvalues("key_eigenvalues", key_eigenvalues, self.key_rotation)
+        self.value_eigenvalues = self._checked_eigenvalues("value_eigenvalues", value_eigenvalues,
+                                                           self.key_rotation)
+        kv_heads = [num_kv_heads] * self.num_layers if isinstance(num_kv_heads, int) else list(num_kv_heads)
+        if len(kv_heads) != self.num_layers:
+            raise ValueError(f"num_kv_heads has {len(kv_heads)} entries for {self.num_layers} layers")
+        self.kv_heads = tuple(int(h) for h in kv_heads)
+        for i, (rotation, heads) in enumerate(zip(self.key_rotation, self.kv_heads)):
+            if rotation.ndim == 3 and rotation.shape[0] != heads:
+                raise ValueError(f"per-KV-head rotations of layer {i} {tuple(rotation.shape)} have {rotation.shape[0]} "
+                                 f"heads, but num_kv_heads is {heads}")
         self.source_model = source_model
         self.method = method
         self.calibration = dict(calibration or {})
@@ -95,67 +122,104 @@ class OscarRotations:
         self.diagnostics = diagnostics
 
     @staticmethod
-    def _checked_rotation(name: str, rotation: torch.Tensor) -> torch.Tensor:
-        if (not isinstance(rotation, torch.Tensor) or rotation.ndim not in (3, 4)
+    def _checked_rotations(name: str, rotations) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """``rotations`` as float32 on the CPU: one tensor where every layer's shape is alike, else a tuple."""
+        stacked = isinstance(rotations, torch.Tensor)
+        if stacked and rotations.ndim not in (3, 4) or not stacked and not isinstance(rotations, (list, tuple)):
+            shape = tuple(rotations.shape) if stacked else type(rotations).__name__
+            raise ValueError(f"{name} must be a tensor [layers, (num_kv_heads,) head_dim, head_dim] or one tensor "
+                             f"per layer; got {shape}")
+        layers = [OscarRotations._checked_layer(name, i, r) for i, r in enumerate(rotations)]
+        if not layers:
+            raise ValueError(f"{name} has no layers")
+        return _stacked(layers)
+
+    @staticmethod
+    def _checked_layer(name: str, layer: int, rotation) -> torch.Tensor:
+        if (not isinstance(rotation, torch.Tensor) or rotation.ndim not in (2, 3)
                 or rotation.shape[-1] != rotation.shape[-2]):
             shape = tuple(rotation.shape) if isinstance(rotation, torch.Tensor) else type(rotation).__name__
-            raise ValueError(f"{name} must be a tensor [layers, head_dim, head_dim] or [layers, num_kv_heads, "
-                             f"head_dim, head_dim]; got {shape}")
+            raise ValueError(f"{name} of layer {layer} must be [head_dim, head_dim] or [num_kv_heads, head_dim, "
+                             f"head_dim]; got {shape}")
         rotation = rotation.detach().to("cpu", torch.float32, copy=True).contiguous()
         if not bool(torch.isfinite(rotation).all()):
-            raise ValueError(f"{name} contains NaN or inf")
+            raise ValueError(f"{name} of layer {layer} contains NaN or inf")
         eye = torch.eye(rotation.shape[-1], dtype=torch.float64)
         error = (rotation.double().mT @ rotation.double() - eye).abs().amax(dim=(-2, -1))
         if bool((error > ORTHOGONALITY_TOLERANCE).any()):
-            index = [int(i) for i in torch.unravel_index(error.argmax(), error.shape)]
-            where = f"layer {index[0]}" + (f", KV head {index[1]}" if len(index) > 1 else "")
+            head = int(error.argmax()) if error.ndim else None
+            where = f"layer {layer}" + (f", KV head {head}" if head is not None else "")
             raise ValueError(
-                f"{name} of {where} is not orthogonal: max |RᵀR - I| = {float(error[tuple(index)]):.2e} "
+                f"{name} of {where} is not orthogonal: max |RᵀR - I| = {float(error.max()):.2e} "
                 f"(tolerance {ORTHOGONALITY_TOLERANCE:g})"
             )
         return rotation
 
     @staticmethod
-    def _checked_eigenvalues(name: str, values: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
+    def _checked_eigenvalues(name: str, values, rotations) -> torch.Tensor | tuple[torch.Tensor, ...]:
         if values is None:
-            return torch.zeros(shape)
-        if tuple(values.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}; got {tuple(values.shape)}")
-        return values.detach().to("cpu", torch.float32, copy=True).contiguous()
+            return _stacked([torch.zeros(r.shape[:-1]) for r in rotations])
+        if len(values) != len(rotations):
+            raise ValueError(f"{name} has {len(values)} layers; the rotations have {len(rotations)}")
+        layers = []
+        for i, (v, r) in enumerate(zip(values, rotations)):
+            if tuple(v.shape) != tuple(r.shape[:-1]):
+                raise ValueError(f"{name} of layer {i} must have shape {tuple(r.shape[:-1])}; got {tuple(v.shape)}")
+            layers.append(v.detach().to("cpu", torch.float32, copy=True).contiguous())
+        return _stacked(layers)
 
     @property
     def num_layers(self) -> int:
-        return self.key_rotation.shape[0]
+        return len(self.key_rotation)
+
+    @property
+    def head_dims(self) -> tuple[int, ...]:
+        """Each layer's head_dim."""
+        return tuple(r.shape[-1] for r in self.key_rotation)
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every layer has the same geometry (the rotations are then one stacked tensor)."""
+        return isinstance(self.key_rotation, torch.Tensor) and len(set(self.kv_heads)) == 1
 
     @property
     def head_dim(self) -> int:
-        return self.key_rotation.shape[-1]
+        """The head_dim of every layer; ValueError for a bundle whose layers differ (see ``head_dims``)."""
+        return ModelShape._uniform("head_dim", self.head_dims)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """The KV heads of every layer; ValueError for a bundle whose layers differ (see ``kv_heads``)."""
+        return ModelShape._uniform("num_kv_heads", self.kv_heads)
 
     @property
     def per_head(self) -> bool:
-        """Whether each KV head has its own rotations (``[layers, H, D, D]``), rather than its layer's."""
-        return self.key_rotation.ndim == 4
+        """Whether each KV head has its own rotations (``[H, D, D]`` per layer), rather than its layer's."""
+        return self.key_rotation[0].ndim == 3
 
     @property
     def format_version(self) -> int:
         """The ``format_version`` this bundle is saved with: the lowest that holds it."""
-        return FORMAT_VERSION if self.per_head else SHARED_FORMAT_VERSION
+        if not self.uniform:
+            return FORMAT_VERSION
+        return PER_HEAD_FORMAT_VERSION if self.per_head else SHARED_FORMAT_VERSION
 
     def __repr__(self) -> str:
         return (
-            f"OscarRotations(method={self.method!r}, layers={self.num_layers}, head_dim={self.head_dim}, "
-            f"num_kv_heads={self.num_kv_heads}, per_head={self.per_head}, source_model={self.source_model!r})"
+            f"OscarRotations(method={self.method!r}, layers={self.num_layers}, head_dim={_summary(self.head_dims)}, "
+            f"num_kv_heads={_summary(self.kv_heads)}, per_head={self.per_head}, source_model={self.source_model!r})"
         )
 
     # ----------------------------------------------------------------- data-free baselines
     @classmethod
-    def _repeated(cls, model_config, matrix: torch.Tensor, method: str) -> "OscarRotations":
+    def _data_free(cls, model_config, matrix, method: str) -> "OscarRotations":
+        """``matrix(head_dim)`` (float64 ``[D, D]``) on every layer."""
         shape = ModelShape.from_config(model_config)
-        stack = matrix.float().expand(shape.num_layers, -1, -1).contiguous()
+        layers = [matrix(d).float() for d in shape.head_dims]
         return cls(
-            stack,
-            stack.clone(),
-            num_kv_heads=shape.num_kv_heads,
+            layers,
+            [r.clone() for r in layers],
+            num_kv_heads=shape.kv_heads,
             source_model=getattr(model_config, "_name_or_path", None) or None,
             method=method,
         )
@@ -163,12 +227,12 @@ class OscarRotations:
     @classmethod
     def identity(cls, model_config) -> "OscarRotations":
         """No rotation (naive INT2 when used without clipping)."""
-        return cls._repeated(model_config, torch.eye(ModelShape.from_config(model_config).head_dim), "identity")
+        return cls._data_free(model_config, lambda d: torch.eye(d, dtype=torch.float64), "identity")
 
     @classmethod
     def hadamard(cls, model_config) -> "OscarRotations":
         """The normalized Sylvester Hadamard on every layer (QuaRot-style, data-free)."""
-        return cls._repeated(model_config, hadamard_matrix(ModelShape.from_config(model_config).head_dim), "hadamard")
+        return cls._data_free(model_config, hadamard_matrix, "hadamard")
 
     @classmethod
     def from_reference(
@@ -199,7 +263,8 @@ class OscarRotations:
         if num_kv_heads is None:
             if shape is None:
                 raise ValueError("from_reference needs num_kv_heads= or model_config=")
-            num_kv_heads = shape.num_kv_heads
+            num_kv_heads = shape.kv_heads
+        kv_heads = num_kv_heads if not isinstance(num_kv_heads, int) else None
 
         def read(path) -> tuple[list[int], torch.Tensor, torch.Tensor, str]:
             data = torch.load(path, map_location="cpu", weights_only=True)
@@ -218,34 +283,50 @@ class OscarRotations:
             objective = str(data.get("objective", "unknown"))
             return [int(i) for i, _ in layers], torch.stack(rotations), eigenvalues, objective
 
-        def placed(path, ids: list[int], tensor: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
-            """``tensor [len(ids), ...]`` at the model's layer positions (``fill`` elsewhere)."""
+        def heads_of(layer: int) -> int:
+            return kv_heads[layer] if kv_heads is not None else num_kv_heads
+
+        def placed(path, ids: list[int], rotation: torch.Tensor, eigenvalues: torch.Tensor, per_head: bool):
+            """Per-layer (rotations, eigenvalues) at the model's layer positions: the file's where it has the layer,
+            the identity (and zeros) of the layer's own geometry elsewhere; with ``per_head``, shared ones repeated
+            over the layer's KV heads."""
             if ids == list(range(len(ids))) and (shape is None or len(ids) == shape.num_layers):
-                return tensor
-            if shape is None:
+                where = dict(zip(ids, range(len(ids))))
+                layers = range(len(ids))
+            elif shape is None:
                 raise ValueError(f"{path}: layer ids {ids} are not 0..{len(ids) - 1}; pass model_config= to place "
                                  "global layer ids (a hybrid's full-attention layers)")
-            full = [i for i, kind in enumerate(shape.layer_types) if kind == "full_attention"]
-            if ids != full:
-                raise ValueError(f"{path}: layer ids {ids} are neither the model's {shape.num_layers} layers nor its "
-                                 f"full-attention layers {full}")
-            out = fill.expand(shape.num_layers, *tensor.shape[1:]).clone()
-            out[full] = tensor
-            return out
+            else:
+                full = [i for i, kind in enumerate(shape.layer_types) if kind == "full_attention"]
+                if ids != full:
+                    raise ValueError(f"{path}: layer ids {ids} are neither the model's {shape.num_layers} layers nor "
+                                     f"its full-attention layers {full}")
+                where = dict(zip(ids, range(len(ids))))
+                layers = range(shape.num_layers)
+            out = []
+            for i in layers:
+                if i in where:
+                    r, e = rotation[where[i]], eigenvalues[where[i]]
+                    if shape is not None and r.shape[-1] != shape.head_dims[i]:
+                        raise ValueError(f"{path}: layer {i}'s rotation is {r.shape[-1]}-dimensional; the model's "
+                                         f"layer {i} has head_dim {shape.head_dims[i]}")
+                else:
+                    r, e = torch.eye(shape.head_dims[i]), torch.zeros(shape.head_dims[i])
+                if per_head and r.ndim == 2:
+                    r, e = r.expand(heads_of(i), -1, -1), e.expand(heads_of(i), -1)
+                out.append((r, e))
+            return [r for r, _ in out], [e for _, e in out]
 
+        read_files = [read(path) for path in (key_file, value_file)]
+        per_head = any(rotation.ndim == 4 for _, rotation, _, _ in read_files)
         sides = []
-        for path in (key_file, value_file):
-            ids, rotation, eigenvalues, objective = read(path)
-            if rotation.ndim == 4 and rotation.shape[1] != num_kv_heads:
-                raise ValueError(f"{path}: per-head rotations for {rotation.shape[1]} KV heads; the model has "
-                                 f"{num_kv_heads}")
-            eye = torch.eye(rotation.shape[-1]).expand(*rotation.shape[1:])
-            sides.append((placed(path, ids, rotation, eye), placed(path, ids, eigenvalues, torch.zeros(())),
-                          objective))
-        if sides[0][0].ndim != sides[1][0].ndim:  # one side per head: repeat the shared one over the heads
-            sides = [(r, e, o) if r.ndim == 4 else
-                     (r[:, None].expand(-1, num_kv_heads, -1, -1), e[:, None].expand(-1, num_kv_heads, -1), o)
-                     for r, e, o in sides]
+        for path, (ids, rotation, eigenvalues, objective) in zip((key_file, value_file), read_files):
+            if rotation.ndim == 4:
+                expected = sorted({heads_of(i) for i in ids if kv_heads is None or i < len(kv_heads)})
+                if expected != [rotation.shape[1]]:
+                    raise ValueError(f"{path}: per-head rotations for {rotation.shape[1]} KV heads; the model has "
+                                     f"{'/'.join(map(str, expected))}")
+            sides.append((*placed(path, ids, rotation, eigenvalues, per_head), objective))
         (key_rotation, key_eigenvalues, key_objective), (value_rotation, value_eigenvalues, value_objective) = sides
         return cls(
             key_rotation,
@@ -266,11 +347,11 @@ class OscarRotations:
     def with_identity_keys(self) -> "OscarRotations":
         """This bundle with every K rotation the identity (for per-channel K, whose grid needs K's own channels:
         a rotation spreads the outlier channels it would give their own scales); V's rotations are kept."""
-        eye = torch.eye(self.head_dim).expand_as(self.key_rotation)
+        eye = [torch.eye(r.shape[-1]).expand_as(r) for r in self.key_rotation]
         return OscarRotations(
             eye,
             self.value_rotation,
-            num_kv_heads=self.num_kv_heads,
+            num_kv_heads=self.kv_heads,
             value_eigenvalues=self.value_eigenvalues,
             source_model=self.source_model,
             method=f"{self.method}, identity K",
@@ -281,17 +362,18 @@ class OscarRotations:
     def check_compatible(self, model_config) -> None:
         """Raise ValueError naming the first field in which this bundle does not fit ``model_config``."""
         shape = ModelShape.from_config(model_config)
-        fields = [
-            ("num_layers", self.num_layers, shape.num_layers),
-            ("head_dim", self.head_dim, shape.head_dim),
-            ("num_kv_heads", self.num_kv_heads, shape.num_kv_heads),
-        ]
-        if self.per_head:
-            fields.append(("the rotations' KV heads", self.key_rotation.shape[1], shape.num_kv_heads))
+        fields = [("num_layers", self.num_layers, shape.num_layers)]
+        if self.num_layers == shape.num_layers:
+            fields += [(f"head_dim of layer {i}", ours, theirs)
+                       for i, (ours, theirs) in enumerate(zip(self.head_dims, shape.head_dims))]
+            fields += [(f"num_kv_heads of layer {i}", ours, theirs)
+                       for i, (ours, theirs) in enumerate(zip(self.kv_heads, shape.kv_heads))]
         for field, ours, theirs in fields:
             if ours != theirs:
                 made_for = self.source_model or "a model whose name it does not record"
                 model_name = getattr(model_config, "_name_or_path", None) or "this model"
+                if shape.uniform and self.uniform:
+                    field = field.split(" of layer")[0]
                 raise ValueError(
                     f"rotation bundle does not fit the model: {field} is {ours} in the bundle (made for {made_for}) "
                     f"but {theirs} in {model_name}"
@@ -302,24 +384,23 @@ class OscarRotations:
         """Write ``oscar_config.json`` and ``rotations.safetensors`` into ``save_directory``."""
         path = Path(save_directory)
         path.mkdir(parents=True, exist_ok=True)
+        uniform = self.uniform
         metadata = {
             "format_version": self.format_version,
             "library": "oscar_hf",
             "method": self.method,
             "source_model": self.source_model,
             "num_layers": self.num_layers,
-            "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
+            "num_kv_heads": self.num_kv_heads if uniform else list(self.kv_heads),
+            "head_dim": self.head_dim if uniform else list(self.head_dims),
             "per_head": self.per_head,
             "calibration": self.calibration,
             "config": self.config.to_dict() if self.config is not None else None,
         }
-        tensors = {
-            "key_rotation": self.key_rotation,
-            "value_rotation": self.value_rotation,
-            "key_eigenvalues": self.key_eigenvalues,
-            "value_eigenvalues": self.value_eigenvalues,
-        }
+        tensors = {}
+        for name in TENSOR_NAMES:
+            value = getattr(self, name)
+            tensors |= {name: value} if uniform else {f"{name}.{i}": t for i, t in enumerate(value)}
         save_file(tensors, str(path / WEIGHTS_NAME), metadata={"format_version": str(self.format_version)})
         (path / CONFIG_NAME).write_text(json.dumps(metadata, indent=2) + "\n")
         (path / CARD_NAME).write_text(self.model_card())
@@ -336,8 +417,8 @@ class OscarRotations:
             f"# OSCAR KV-cache rotations for {self.source_model or 'an unnamed model'}\n\n"
             f"{'Per-layer and KV-head' if self.per_head else 'Per-layer'} K and V rotations ({self.method}) for "
             f"2-bit KV-cache quantization with "
-            f"[oscar-hf](https://pypi.org/project/oscar-hf/): {self.num_layers} layers, head_dim {self.head_dim}, "
-            f"{self.num_kv_heads} KV heads.\n\n## How it was made\n\n{settings}\n\n"
+            f"[oscar-hf](https://pypi.org/project/oscar-hf/): {self.num_layers} layers, head_dim "
+            f"{_summary(self.head_dims)}, {_summary(self.kv_heads)} KV heads.\n\n## How it was made\n\n{settings}\n\n"
             f"## Recommended cache settings\n\n```json\n{config}\n```\n\n## Use\n\n```python\n"
             f"from oscar_hf import OscarQuantizedCache\n"
             f"cache = OscarQuantizedCache.from_pretrained(REPO_OR_DIR, subfolder=SUBFOLDER, model=model)\n"
@@ -413,6 +494,16 @@ class OscarRotations:
             tensors = load_file(str(weights_file))
         except Exception as err:  # safetensors raises its own error type for a truncated or foreign file
             raise ValueError(f"{weights_file} is not a readable safetensors file ({err})") from None
+        if version == FORMAT_VERSION:  # one tensor per layer: "key_rotation.0", "key_rotation.1", ...
+            per_layer = {}
+            for key, value in tensors.items():
+                name, _, layer = key.rpartition(".")
+                if name in TENSOR_NAMES and layer.isdigit():
+                    per_layer.setdefault(name, {})[int(layer)] = value
+            for name, layers in per_layer.items():
+                if sorted(layers) != list(range(len(layers))):
+                    raise ValueError(f"{weights_file}: {name} has layers {sorted(layers)}, not 0..{len(layers) - 1}")
+            tensors = {name: [layers[i] for i in range(len(layers))] for name, layers in per_layer.items()}
         missing = {"key_rotation", "value_rotation"} - set(tensors)
         if missing:
             raise ValueError(f"{weights_file} lacks tensor(s) {sorted(missing)}")
@@ -433,10 +524,12 @@ class OscarRotations:
         diagnostics_file = config_file.with_name(DIAGNOSTICS_NAME)
         if diagnostics_file.is_file():
             bundle.diagnostics = json.loads(diagnostics_file.read_text())
-        for field in ("num_layers", "head_dim", "per_head"):
-            if field in metadata and metadata[field] != getattr(bundle, field):
+        stored = {"num_layers": bundle.num_layers, "per_head": bundle.per_head,
+                  "head_dim": bundle.head_dim if bundle.uniform else list(bundle.head_dims)}
+        for field, value in stored.items():
+            if field in metadata and metadata[field] != value:
                 raise ValueError(
-                    f"{config_file}: {field}={metadata[field]} disagrees with the tensors ({getattr(bundle, field)})"
+                    f"{config_file}: {field}={metadata[field]} disagrees with the tensors ({value})"
                 )
         return bundle
 

@@ -141,3 +141,46 @@ MODES = {
     "prompt-lookup": (repetitive_prompt, dict(prompt_lookup_num_tokens=3)),
     "return-dict": (lambda: prompt(), dict(return_dict_in_generate=True, output_scores=True)),
 }
+
+
+# ------------------------------------------------------------------ attention variants of other families
+FAMILY_TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_attention_heads=2,
+                   num_key_value_heads=1, head_dim=32, pad_token_id=0)
+SLIDING_FULL = ["sliding_attention", "full_attention"]
+GEMMA4 = dict(FAMILY_TINY, num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+              num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=8, hidden_size_per_layer_input=8,
+              vocab_size_per_layer_input=VOCAB)
+
+# name -> (config class, config fields)
+FAMILIES = {
+    "gemma2-softcap": ("Gemma2Config", dict(FAMILY_TINY, num_hidden_layers=3, attn_logit_softcapping=5.0,
+                                            sliding_window=8,
+                                            layer_types=["sliding_attention", "full_attention", "full_attention"])),
+    "gpt-oss-sinks": ("GptOssConfig", dict(FAMILY_TINY, num_hidden_layers=3, num_local_experts=4, num_experts_per_tok=2,
+                                           sliding_window=8,
+                                           layer_types=["sliding_attention", "full_attention", "full_attention"])),
+    "llama4-chunked": ("Llama4TextConfig", dict(FAMILY_TINY, num_hidden_layers=4, intermediate_size_mlp=64,
+                                                attention_chunk_size=8, num_local_experts=2,
+                                                no_rope_layers=[1, 1, 1, 0], interleave_moe_layer_step=2)),
+    "gemma4-per-layer-geometry": ("Gemma4TextConfig", dict(GEMMA4, num_hidden_layers=4, layer_types=SLIDING_FULL * 2)),
+    "gemma4-kv-sharing": ("Gemma4TextConfig", dict(GEMMA4, num_hidden_layers=6, layer_types=SLIDING_FULL * 3,
+                                                   num_kv_shared_layers=2)),
+    "gemma3n-kv-sharing": ("Gemma3nTextConfig", dict(FAMILY_TINY, num_hidden_layers=4, sliding_window=8,
+                                                     layer_types=SLIDING_FULL * 2, num_kv_shared_layers=2,
+                                                     hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+                                                     laurel_rank=4, altup_num_inputs=2,
+                                                     activation_sparsity_pattern=[0.0] * 4)),
+}
+
+
+def build_family(name: str, dtype: torch.dtype = torch.float32, **overrides) -> transformers.PreTrainedModel:
+    """A tiny random model of FAMILIES[name] (config fields changed by ``overrides``), in eval mode."""
+    config_name, fields = FAMILIES[name]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_name)(**{**fields, **overrides})
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    for module in model.modules():  # learned sinks made large, so that they matter
+        if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+            torch.nn.init.normal_(module.sinks, std=2.0)
+    model.generation_config.eos_token_id = None
+    return model.eval()

@@ -81,7 +81,7 @@ def test_calibrate_per_head_from_the_flag_or_the_recipe(model_dir, data_file, tm
     assert json.loads((tmp_path / "flag" / "oscar_config.json").read_text())["format_version"] == 2
     capsys.readouterr()
     main(["info", str(tmp_path / "flag")])
-    assert "key_rotation (2, 2, 64, 64), value_rotation (2, 2, 64, 64) (one per layer and KV head)" in (
+    assert "2 layers, rotations (2, 64, 64) each (one per layer and KV head, K and V alike)" in (
         capsys.readouterr().out)
     recipe = tmp_path / "per-head.yaml"
     recipe.write_text("model: tiny\ncalibration:\n  per_head: true\n")
@@ -94,7 +94,7 @@ def test_calibrate_per_head_from_the_flag_or_the_recipe(model_dir, data_file, tm
 def test_info(bundle_dir, capsys):
     main(["info", str(bundle_dir)])
     out = capsys.readouterr().out
-    assert "key_rotation (2, 64, 64), value_rotation (2, 64, 64) (one per layer)" in out
+    assert "2 layers, rotations (64, 64) each (one per layer, K and V alike)" in out
     assert f"config: {json.dumps(OscarConfig().to_dict())}" in out  # calibrate stores the config it diagnosed with
     for length, label in ((4096, "4K"), (32768, "32K"), (131072, "128K")):
         assert f"bits per element at {label} tokens: {OscarConfig().bits_per_element(64, length):.3f}" in out

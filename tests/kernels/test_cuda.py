@@ -273,3 +273,47 @@ def test_a_step_left_to_the_attention_launches_the_append_and_two_stages(per_hea
         step(steps[1])
         torch.cuda.synchronize()
     assert_stages_then_gemm(prof, ("append_token", "stage1", "stage2"))
+
+
+@pytest.mark.parametrize("family", ["gemma2-softcap", "gpt-oss-sinks", "gemma4-per-layer-geometry",
+                                    "gemma4-kv-sharing"])
+def test_attention_variants_on_both_backends_and_in_cuda_graphs(family):
+    """Soft-capped logits, learned sinks, Gemma-4's full layers at head_dim 512 (16 query heads on 1 KV head) and
+    its KV-sharing layers, bf16: one decode step over an INT2 history gives close logits on both backends, and a
+    compiled generate around a static cache tracks eager's logits."""
+    import transformers
+    from helpers import build_family
+
+    if family == "gemma4-kv-sharing" and not hasattr(transformers.Gemma4TextConfig(), "kv_sharing_modes"):
+        pytest.skip(f"transformers {transformers.__version__} has no kv_sharing_modes (the cache refuses KV sharing)")
+    # head_dims the kernels serve (64 here; 512 for Gemma-4's full layers, 16 query heads on one KV head)
+    overrides = dict(global_head_dim=512, num_attention_heads=16) if "gemma4" in family else dict(head_dim=64)
+    model = build_family(family, torch.bfloat16, **overrides).cuda()
+    rotations = OscarRotations.hadamard(model.config)
+    ids = torch.randint(3, 90, (2, 70), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    logits = {}
+    for backend in ("torch", "triton"):
+        cache = OscarQuantizedCache.from_pretrained(rotations, model=model, sink_tokens=4, recent_tokens=8,
+                                                    backend=backend)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), use_cache=True)
+            step = model(input_ids=ids[:, -1:], attention_mask=torch.cat([mask, mask[:, -1:]], 1),
+                         **cache_kwargs(model, cache), use_cache=True)
+        logits[backend] = step.logits[:, -1].float()
+    torch.testing.assert_close(logits["triton"], logits["torch"], rtol=0.05, atol=0.05)
+
+    def generate(**kwargs):
+        cache = OscarQuantizedCache.from_pretrained(rotations, model=model, sink_tokens=4, recent_tokens=8, **kwargs)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                             **cache_kwargs(model, cache), output_logits=True, return_dict_in_generate=True)
+        return out, cache
+
+    torch._dynamo.reset()
+    (compiled, static), (eager, _) = generate(max_cache_len=96), generate()
+    assert any(getattr(layer, "graph_step", False) for layer in static.layers), "no layer took graph steps"
+    same = (compiled.sequences[:, 70:] == eager.sequences[:, 70:]).all(dim=0).tolist()
+    steps = same.index(False) + 1 if False in same else len(same)
+    for step in range(steps):
+        torch.testing.assert_close(compiled.logits[step].float(), eager.logits[step].float(), rtol=0, atol=0.05)

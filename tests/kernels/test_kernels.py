@@ -257,7 +257,7 @@ def test_decode_history_lengths(dim, n_history):
     "groups, dim, dtype",
     [(1, 64, torch.float16), (4, 64, torch.bfloat16), (8, 64, torch.float16), (8, 128, torch.float16),
      (16, 128, torch.bfloat16),
-     (2, 256, torch.bfloat16), (8, 256, torch.float16)],
+     (2, 256, torch.bfloat16), (8, 256, torch.float16), (2, 512, torch.bfloat16)],
     ids=lambda v: DTYPE_IDS.get(v, str(v)),
 )
 def test_decode_gqa_head_dims_dtypes(groups, dim, dtype):
@@ -675,9 +675,9 @@ def static_and_host_layers(dim, *, max_len=120, heads=None, **config):
      (30, dict(sink_tokens=0, recent_tokens=6, flush_tokens=1, group_size=32, tokens=55)),
      (20, dict(sink_tokens=2, recent_tokens=6, flush_tokens=2, key_bits=4, centering=False, tokens=50)),
      (20, dict(sink_tokens=2, recent_tokens=6, flush_tokens=2, centering=False, dtype=torch.float16, tokens=50)),
-     (10, dict(sink_tokens=2, recent_tokens=4, flush_tokens=2, centering=False, dim=256, tokens=40)),
+     (8, dict(sink_tokens=2, recent_tokens=3, flush_tokens=1, centering=False, dim=512, tokens=16)),
      (20, dict(sink_tokens=2, recent_tokens=6, flush_tokens=2, centering=False, heads=3, tokens=40))],
-    ids=["sink-first", "uncentered-unclipped", "no-sink-flush-1", "4-bit-keys", "fp16", "D256", "per-head"],
+    ids=["sink-first", "uncentered-unclipped", "no-sink-flush-1", "4-bit-keys", "fp16", "D512", "per-head"],
 )
 def test_graph_step_stores_what_the_host_path_stores(prompt, config):
     """Steps through the append operator (rotation, ring buffer, device counts) leave the same sequence as the host
@@ -711,7 +711,7 @@ def test_graph_step_stores_what_the_host_path_stores(prompt, config):
 
 @pytest.mark.parametrize("heads", [None, 2, 6], ids=["shared", "per-head-g3", "per-head-g1"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=DTYPE_IDS.get)
-@pytest.mark.parametrize("dim, q_len", [(64, 1), (128, 3), (256, 1)])
+@pytest.mark.parametrize("dim, q_len", [(64, 1), (128, 3), (256, 1), (512, 1)])
 def test_query_rotation_kernel_equals_the_rotate_gemm(dim, q_len, dtype, heads):
     """Stage 0 (q · R_K in the decode operator) stores what ``rotate_queries`` computes, bit for bit, from the strided
     q that attention receives (``[B, q, Hq, D]`` transposed), for rows that do not fill its row block; with per-head

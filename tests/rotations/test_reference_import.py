@@ -159,3 +159,28 @@ def test_reference_ids_that_are_not_the_models_full_layers_are_refused(tmp_path)
     torch.save({"format_version": 3, "layers": layers}, tmp_path / "v3.pt")
     with pytest.raises(ValueError, match="unsupported format_version 3"):
         OscarRotations.from_reference(tmp_path / "v3.pt", tmp_path / "v3.pt", model_config=config)
+
+
+def test_files_for_a_model_with_per_layer_head_dims(tmp_path):
+    """Gemma-4: the reference's files hold the full-attention layers (head_dim 32 here), keyed by global id; the
+    sliding layers (head_dim 16) get identities of their own size, and a file of another head_dim is refused."""
+    import transformers
+    from helpers import VOCAB
+
+    config = transformers.Gemma4TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=VOCAB)
+    rotation = torch.linalg.qr(torch.randn(2, 32, 32, generator=torch.Generator().manual_seed(0))).Q
+    path = tmp_path / "k.pt"
+    torch.save({"format_version": 1, "layers": {i: {"rotation": r, "eigenvalues": torch.zeros(32)}
+                                                for i, r in zip((1, 3), rotation)}}, path)
+    bundle = OscarRotations.from_reference(path, path, model_config=config)
+    assert bundle.head_dims == (16, 32, 16, 32) and bundle.kv_heads == (2, 1, 2, 1)
+    assert torch.equal(bundle.key_rotation[0], torch.eye(16)) and torch.equal(bundle.value_rotation[3], rotation[1])
+    bundle.check_compatible(config)
+    torch.save({"format_version": 1, "layers": {i: {"rotation": torch.eye(16), "eigenvalues": torch.zeros(16)}
+                                                for i in (1, 3)}}, path)
+    with pytest.raises(ValueError, match="layer 1's rotation is 16-dimensional; the model's layer 1 has head_dim 32"):
+        OscarRotations.from_reference(path, path, model_config=config)

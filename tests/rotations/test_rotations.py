@@ -274,14 +274,16 @@ def test_non_finite_rotation_raises(bad):
 @pytest.mark.parametrize(
     "key, value, match",
     [
-        pytest.param(random_orthogonal(1, 64, 1)[0], random_orthogonal(1, 64, 2)[0], r"\[layers, head_dim", id="2d"),
-        pytest.param(torch.zeros(2, 64, 32), random_orthogonal(2, 64, 2), r"\[layers, head_dim", id="not-square"),
-        pytest.param(random_orthogonal(2, 64, 1), random_orthogonal(3, 64, 2), "differs", id="layers-mismatch"),
-        pytest.param(random_orthogonal(2, 64, 1), random_orthogonal(2, 32, 2), "differs", id="head_dim-mismatch"),
-        pytest.param(random_orthogonal(2, 64, 1, heads=2), random_orthogonal(2, 64, 2), "differs",
+        pytest.param(random_orthogonal(1, 64, 1)[0], random_orthogonal(1, 64, 2)[0],
+                     r"\[layers, \(num_kv_heads,\) head_dim", id="2d"),
+        pytest.param(torch.zeros(2, 64, 32), random_orthogonal(2, 64, 2), r"layer 0 must be \[head_dim, head_dim\]",
+                     id="not-square"),
+        pytest.param(random_orthogonal(2, 64, 1), random_orthogonal(3, 64, 2), "differ", id="layers-mismatch"),
+        pytest.param(random_orthogonal(2, 64, 1), random_orthogonal(2, 32, 2), "differ", id="head_dim-mismatch"),
+        pytest.param(random_orthogonal(2, 64, 1, heads=2), random_orthogonal(2, 64, 2), "differ",
                      id="per-head-and-shared"),
         pytest.param(torch.eye(64).expand(1, 1, 2, 64, 64), torch.eye(64).expand(1, 1, 2, 64, 64),
-                     r"\[layers, head_dim", id="5d"),
+                     r"\[layers, \(num_kv_heads,\) head_dim", id="5d"),
     ],
 )
 def test_bad_rotation_shapes_raise(key, value, match):

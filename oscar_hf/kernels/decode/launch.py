@@ -11,7 +11,7 @@ from ..packed import PackedKV
 from ..utils import sm_count, triton_runs_on
 
 DTYPES = (torch.bfloat16, torch.float16)  # the kernel's query and window dtypes
-WINDOW_BLOCK = {64: 32, 128: 32, 256: 16}  # sink/recent tile rows per head_dim (keeps shared memory < 40 KiB)
+WINDOW_BLOCK = {64: 32, 128: 32, 256: 16, 512: 16}  # sink/recent tile rows per head_dim (shared memory < 40 KiB)
 MAX_QUERY_ROWS = 32  # query heads x query tokens per program of a several-token call (accumulator registers)
 SHORT_HISTORY_TILES = 8  # history programs of at most this many tiles are "short" (window programs finish last)
 
@@ -65,6 +65,8 @@ def default_config(batch: int, head_dim: int, query_len: int = 1) -> DecodeConfi
     24 tiles, and caps the history programs at 7.7 per SM where the window programs are between one per SM and half
     the history programs (:func:`plan_splits`). From H100 sweeps over batch, length and head_dim."""
     one_token_d128 = query_len == 1 and head_dim == 128
+    if head_dim > 256:  # Gemma-4's full layers: 32-token tiles over 4 warps, 4 programs per SM (H200 sweep)
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=2, programs_per_sm=4)
     return DecodeConfig(block_n=64 if head_dim <= 128 else 32, num_warps=1, num_stages=3,
                         programs_per_sm=8 if head_dim > 128 else 12,
                         min_program_tiles=24 if one_token_d128 else 0,
@@ -127,7 +129,7 @@ def window_prefetch(cfg: DecodeConfig, batch_heads: int, hist_capacity: int, spl
 
 def supports_storage(packed: PackedKV, recent_tokens: int) -> bool:
     """Whether the kernel can serve every decode step over ``packed`` (initialized storage): bf16/fp16, head_dim
-    64/128/256, per-token K, a group spanning whole channel sub-tiles, each at least one MMA K wide, and a recent
+    64/128/256/512, per-token K, a group spanning whole channel sub-tiles, each at least one MMA K wide, and a recent
     window of at least one token (the newest token is read from there), on CUDA or the interpreter."""
     d, bits = packed.head_dim, (packed.key_bits, packed.value_bits)
     return (

@@ -1,8 +1,10 @@
 """Torch attention over a PackedKV: dequantize, then SDPA (or, for learned sinks and logit soft-capping, which SDPA
-lacks, :func:`dense_attention`). The decode kernel's twin, and the attention for every call the kernel does not serve
-(prefill chunks, fp32, per-channel K)."""
+lacks, :func:`dense_attention`; the model's own eager attention while nothing is quantized). The decode kernel's
+twin, and the attention for every call the kernel does not serve (prefill chunks, fp32, per-channel K)."""
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -42,6 +44,29 @@ def dense_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     return (probs @ value).transpose(1, 2)
 
 
+def model_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, scaling: float | None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    """Attention over the model's own K/V ``[B, H, T, D]`` as the model computes it by default, bit for bit: SDPA;
+    or, with soft-capped or sink logits (which SDPA lacks, so those models run their own eager attention), the
+    ``eager_attention_forward`` of the module's modeling file, with the bool mask made additive as its eager mask is
+    (:func:`dense_attention` where the file has none). Returns ``[B, q, Hq, D]``."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if softcap is None and sinks is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)[0]
+    if attention_mask is not None:
+        attention_mask = attention_mask[..., :kv_len]
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        return dense_attention(module, query, key, value, attention_mask, scaling, softcap, sinks)
+    if attention_mask is None and q_len > 1:
+        attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~attention_mask, torch.finfo(query.dtype).min)
+    return eager(module, query, key, value, attention_mask, scaling=scaling, softcap=softcap, s_aux=sinks)[0]
+
+
 def attend(module: torch.nn.Module, query: torch.Tensor, packed: PackedKV, new_key: torch.Tensor,
            new_value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None,
            fill=None, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -63,12 +88,11 @@ def attend(module: torch.nn.Module, query: torch.Tensor, packed: PackedKV, new_k
     past = sum(packed.lengths()[:3]) - new_key.shape[2]
     k, v = (materialize(packed, side, past, new=new, fill=fill)
             for side, new in (("key", new_key), ("value", new_value)))
-    if softcap is not None or sinks is not None:
+    if packed.lengths()[1] and (softcap is not None or sinks is not None):
         return dense_attention(module, query, k, v, attention_mask, scaling, softcap, sinks)
     q_len, kv_len = query.shape[2], k.shape[2]
     if attention_mask is not None:
         attention_mask = attention_mask[..., :kv_len]
     if attention_mask is None and 1 < q_len < kv_len:
         attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
-    out, _ = sdpa_attention_forward(module, query, k, v, attention_mask, scaling=scaling)
-    return out
+    return model_attention(module, query, k, v, attention_mask, scaling, softcap, sinks)
