@@ -54,11 +54,12 @@ def _attend_on_host(module, query, key, value, attention_mask, dropout, scaling,
                                **kwargs), None
     layer = key.layer
     layer.check_flags()  # (stores a token a graph step left pending first)
-    if kwargs.get("sliding_window") is not None:
-        raise NotImplementedError("a sliding-window attention layer reached an OSCAR (full-attention) cache layer")
+    if kwargs.get("sliding_window") is not None and not layer.is_sliding:
+        raise NotImplementedError("a sliding-window attention layer reached an OSCAR full-attention cache layer")
     attend = attention_backend(layer.config.backend, query.device)
     out = attend(module, query, layer.packed(), key.new, value.new, attention_mask, scaling,
-                 layer.config.recent_tokens, softcap=softcap, sinks=sinks)
+                 layer.config.recent_tokens, softcap=softcap, sinks=sinks,
+                 window=layer.sliding_window if layer.is_sliding else None)
     return out, None
 
 

@@ -145,6 +145,12 @@ class _Segment:
             new[:, :, :rows] = old[:, :, :rows]
             self.tensors[name] = new
 
+    def drop_front(self, used: int, tokens: int) -> None:
+        """Drop the first ``tokens`` of the ``used`` ones (a multiple of every width), moving the rest to the front."""
+        for name, t in self.tensors.items():
+            start, stop = tokens // self._width(name), self._rows(name, used)
+            t[:, :, : stop - start] = t[:, :, start:stop].clone()
+
     def map(self, fn) -> None:
         self.tensors = {name: fn(t) for name, t in self.tensors.items()}
 
@@ -246,9 +252,11 @@ class OscarLayer(CacheLayerMixin):
         layout = cfg.key_layout
         self.group_size = cfg.resolved_group_size(dim)
         self.writer = layout.writer(cfg, self.device)
-        # row-major: the append kernel reads them as such
-        self.key_rotation = self.key_rotation.to(self.device, self.dtype).contiguous()
-        self.value_rotation = self.value_rotation.to(self.device, self.dtype).contiguous()
+        # row-major: the append kernel reads them as such; an identity is never read and stays where it is
+        if self.rotates_keys:
+            self.key_rotation = self.key_rotation.to(self.device, self.dtype).contiguous()
+        if self.rotates_values:
+            self.value_rotation = self.value_rotation.to(self.device, self.dtype).contiguous()
 
         def empty(*tail: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.empty(batch, heads, 0, *tail, dtype=dtype, device=self.device)
@@ -313,6 +321,10 @@ class OscarLayer(CacheLayerMixin):
     def _unroll_recent(self) -> None:
         """Make the recent window's oldest token row 0 again, for the host-side code (a static layer's ring)."""
 
+    def _sink_room(self) -> int:
+        """Tokens the sink can still take."""
+        return self.config.sink_tokens - self.n_sink
+
     def _reserve(self, segment: _Segment, used: int, needed: int, limit: int) -> None:
         """Make ``segment`` hold ``needed`` tokens (at most ``limit``), keeping its first ``used``."""
 
@@ -325,7 +337,7 @@ class OscarLayer(CacheLayerMixin):
         n = new["key"].shape[2]
         record = _UpdateRecord((self.n_sink, self.n_history, self.n_recent), new) if n <= cfg.recent_tokens else None
         self._last_update = record
-        to_sink = min(cfg.sink_tokens - self.n_sink, n)
+        to_sink = min(self._sink_room(), n)
         if to_sink:
             self._reserve(self.sink, self.n_sink, self.n_sink + to_sink, cfg.sink_tokens)
             self.sink.write(self.n_sink, {s: t[:, :, :to_sink] for s, t in new.items()})
@@ -494,8 +506,8 @@ class OscarLayer(CacheLayerMixin):
     # ---------------------------------------------------------------------------- accounting
     @property
     def nbytes(self) -> int:
-        """Bytes of every tensor this layer holds, capacity and device rotations included."""
-        rotations = sum(r.numel() * r.element_size() for r in (self.key_rotation, self.value_rotation))
+        """Bytes of every tensor this layer holds, capacity and the rotations it applies included."""
+        rotations = sum(r.numel() * r.element_size() for r in map(self.rotation, SIDES) if r is not None)
         return sum(s.nbytes() for s in self._segments()) + (rotations if self.is_initialized else 0)
 
     def stored_bits_and_elements(self) -> tuple[int, int]:
@@ -527,6 +539,88 @@ class DynamicOscarLayer(OscarLayer):
             self.history.grow(self.n_history, -(-grown // HISTORY_ALIGN) * HISTORY_ALIGN)
 
 
+class SlidingOscarLayer(DynamicOscarLayer):
+    """A sliding-window layer stored like a full one (sink, INT2 body, recent window), holding the tokens that later
+    queries can still see: those older than ``sliding_window - 1`` are dropped, the sink first, then the history from
+    its front, in steps of at least ``EVICTION_STEP`` tokens (the tokens kept past the window are masked out by the
+    model's sliding-window mask, which is built from :meth:`get_mask_sizes`'s offset). Once dropped, the sink is not
+    refilled. Host-side updates only (``OscarConfig.quantize_sliding``)."""
+
+    is_sliding = True
+    EVICTION_STEP = 64
+
+    def __init__(self, config: OscarConfig, key_rotation: torch.Tensor, value_rotation: torch.Tensor,
+                 sliding_window: int):
+        super().__init__(config, key_rotation, value_rotation)
+        self.sliding_window = sliding_window
+        self.dropped = 0  # tokens dropped from the front: the position of the first one held
+
+    def _sink_room(self) -> int:
+        return 0 if self.dropped else super()._sink_room()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[OscarKV, OscarKV]:
+        self._drop_old()
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def _droppable(self) -> tuple[int, int]:
+        """(sink, history) tokens the next update drops: none until at least EVICTION_STEP tokens (and the whole
+        sink, which leaves first) are older than the ``sliding_window - 1`` that its first query can see."""
+        if not self.is_initialized:
+            return 0, 0
+        excess = self.length - (self.sliding_window - 1)
+        unit = self.config.demotion_unit
+        if excess < max(self.EVICTION_STEP, unit, self.n_sink):
+            return 0, 0
+        return self.n_sink, min(self.n_history, (excess - self.n_sink) // unit * unit)
+
+    def _drop_old(self) -> None:
+        sink, history = self._droppable()
+        if not sink + history:
+            return
+        self._last_update = None  # a crop can no longer take the last update back exactly
+        if history:
+            self.history.drop_front(self.n_history, history)
+        self.n_sink, self.n_history = self.n_sink - sink, self.n_history - history
+        self.dropped += sink + history
+        if sink:
+            self.sink.grow(0, 0)  # the sink is not refilled: free it
+        if self.history.capacity > 2 * self._history_limit():  # after a long prompt, stored whole
+            self.history.grow(self.n_history, self._history_limit())
+
+    def _history_limit(self) -> int:
+        """History tokens a layer holds at most between prompts: about a window, the dropping step and a demotion."""
+        step = max(self.EVICTION_STEP, self.config.demotion_unit, self.config.sink_tokens)
+        return -(-(self.sliding_window + step + self.config.demotion_unit) // HISTORY_ALIGN) * HISTORY_ALIGN
+
+    def _reserve_history(self, needed: int) -> None:
+        if needed <= self._history_limit() and self.history.capacity < needed:
+            self.history.grow(self.n_history, self._history_limit())
+        super()._reserve_history(needed)
+
+    def get_seq_length(self) -> int:
+        """Tokens seen (held and dropped): the next token's position."""
+        return self.dropped + super().get_seq_length()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(keys the next update's attention reads, the first one's position): what the model builds the mask for
+        before the update, which drops the old tokens first."""
+        dropped = sum(self._droppable())
+        return self.length - dropped + query_length, self.dropped + dropped
+
+    def get_max_length(self) -> int:
+        return self.sliding_window
+
+    def reset(self) -> None:
+        super().reset()
+        self.dropped = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if -int(tokens_to_remove) > self.length:
+            raise ValueError(f"cannot crop {-int(tokens_to_remove)} tokens from a sliding-window layer that holds "
+                             f"{self.length} (the older ones have left its window)")
+        super().crop(tokens_to_remove)
+
+
 class StaticOscarLayer(OscarLayer):
     """An OSCAR layer with every buffer at its final size from the first update (``max_cache_len`` tokens), a fixed
     attention-mask size, and its counts in an int32 device tensor: compileable. Where the Triton kernels serve it
@@ -554,7 +648,8 @@ class StaticOscarLayer(OscarLayer):
         self.counts = torch.tensor([0, 0, 0, 0, -1, -1, -1, -1], dtype=torch.int32, device=self.device)
         self.flags = torch.zeros(2, dtype=torch.int32, device=self.device)
         if not torch.compiler.is_compiling():
-            for t in (*self._tensors(), self.counts, self.flags, self.key_rotation, self.value_rotation):
+            rotations = [r for r in map(self.rotation, SIDES) if r is not None]
+            for t in (*self._tensors(), self.counts, self.flags, *rotations):
                 torch._dynamo.mark_static_address(t)
         self.graph_step = self._graph_step_supported()
         if self.graph_step:
@@ -716,14 +811,22 @@ class OscarQuantizedCache(Cache):
         if config.backend == "triton" and "triton" not in WRITE_BACKENDS:
             raise ImportError("OscarConfig.backend='triton' needs the triton package (pip install oscar-hf[triton])")
         shape = ModelShape.from_config(model_config)
+        # sliding-window layers stored by OSCAR too: on request, or where the model has no full-attention layer
+        quantize_sliding = config.quantize_sliding or "full_attention" not in shape.layer_types
+        stored = ("full_attention", "sliding_attention") if quantize_sliding else ("full_attention",)
+        if quantize_sliding and max_cache_len is not None and "sliding_attention" in shape.layer_types:
+            raise ValueError("quantized sliding-window layers drop the tokens that leave their window on the host: "
+                             "build the cache without max_cache_len" + (
+                                 "" if config.quantize_sliding else
+                                 " (every layer of this model is sliding-window attention, so they are all quantized)"))
         for i, kind in enumerate(shape.layer_types):
-            if kind == "full_attention":
+            if kind in stored:
                 config.resolved_group_size(shape.head_dims[i])
         for i in config.key_bits_layers or ():
-            if i >= len(shape.layer_types) or shape.layer_types[i] != "full_attention":
-                raise ValueError(f"OscarConfig.key_bits_layers lists layer {i}, which is not a full-attention layer "
-                                 f"of this model ({len(shape.layer_types)} layers; sliding-window layers stay in "
-                                 "the model dtype)")
+            if i >= len(shape.layer_types) or shape.layer_types[i] not in stored:
+                raise ValueError(f"OscarConfig.key_bits_layers lists layer {i}, which this cache does not quantize "
+                                 f"({len(shape.layer_types)} layers; sliding-window layers are in the model dtype "
+                                 "unless quantize_sliding)")
         layers = []
         for i, kind in enumerate(shape.layer_types):
             if not shape.reads_own_kv(i):  # reads an earlier layer's K/V (KV sharing): stores nothing
@@ -732,6 +835,11 @@ class OscarQuantizedCache(Cache):
                 rotation_pair = (rotations.key_rotation[i], rotations.value_rotation[i])
                 layers.append(DynamicOscarLayer(config.for_layer(i), *rotation_pair) if max_cache_len is None else
                               StaticOscarLayer(config.for_layer(i), *rotation_pair, max_cache_len))
+            elif kind == "sliding_attention" and quantize_sliding:
+                recent = config.recent_tokens if config.sliding_recent_tokens is None else config.sliding_recent_tokens
+                layers.append(SlidingOscarLayer(config.for_layer(i).replace(recent_tokens=recent),
+                                                rotations.key_rotation[i],
+                                                rotations.value_rotation[i], shape.window(kind)))
             elif kind in ("sliding_attention", "chunked_attention"):  # transformers' own layer, as DynamicCache's
                 layers.append(DynamicSlidingWindowLayer(sliding_window=shape.window(kind)))
             else:

@@ -56,6 +56,11 @@ class OscarConfig:
         backend: "auto" (triton on CUDA when triton is installed, else torch), "torch" (dequantize + SDPA,
             the reference) or "triton" (fused INT2 write and decode kernels; calls they do not cover, such as
             fp32 models or queries of several tokens, fall back to the torch path).
+        quantize_sliding: store the sliding-window layers the same way (sink, INT2 body, recent window; tokens
+            that leave the window are dropped) instead of in transformers' own layer in the model dtype. Models
+            whose every layer is sliding (Mistral-7B v0.1) are always stored so. Growing caches only.
+        sliding_recent_tokens: the recent window of those sliding-window layers; ``None`` means ``recent_tokens``.
+            The INT2 body is what the window leaves: about 250 tokens of Gemma-3's 512 with the default 256.
     """
 
     bits: int = 2
@@ -72,6 +77,8 @@ class OscarConfig:
     centering: bool = True
     key_quantization: str = "per-token"
     backend: str = "auto"
+    quantize_sliding: bool = False
+    sliding_recent_tokens: int | None = None
 
     def __post_init__(self):
         if isinstance(self.scale_dtype, torch.dtype):
@@ -97,6 +104,9 @@ class OscarConfig:
             value = getattr(self, name)
             if not (_is_int(value) and value >= 0):
                 self._fail(name, "an integer >= 0")
+        if self.sliding_recent_tokens is not None and not (_is_int(self.sliding_recent_tokens)
+                                                           and self.sliding_recent_tokens >= 0):
+            self._fail("sliding_recent_tokens", "None (recent_tokens) or an integer >= 0")
         if not (_is_int(self.flush_tokens) and self.flush_tokens >= 1):
             self._fail("flush_tokens", "an integer >= 1")
         for name in ("k_clip", "v_clip"):
@@ -110,8 +120,9 @@ class OscarConfig:
             self._fail("quantizer", " or ".join(repr(k) for k in QUANTIZERS))
         if self.quantizer == "lloyd-max" and 4 in self.side_bits.values():
             self._fail("quantizer", "'uniform' with 4-bit K or V ('lloyd-max' has 2-bit levels only)")
-        if not isinstance(self.centering, bool):
-            self._fail("centering", "True or False")
+        for name in ("centering", "quantize_sliding"):
+            if not isinstance(getattr(self, name), bool):
+                self._fail(name, "True or False")
         if self.key_quantization not in KEY_LAYOUTS:
             self._fail("key_quantization", " or ".join(repr(k) for k in KEY_LAYOUTS))
         for name, (needed, why) in self.key_layout.needs.items():

@@ -139,9 +139,9 @@ def check_model_supported(model: torch.nn.Module) -> ModelShape:
     unknown = sorted(set(shape.layer_types) - set(SUPPORTED_LAYER_TYPES))
     if unknown:
         raise UnsupportedModelError(f"{name}: layer types {unknown} are not supported (only {SUPPORTED_LAYER_TYPES})")
-    if "full_attention" not in shape.layer_types:
+    if not {"full_attention", "sliding_attention"} & set(shape.layer_types):
         raise UnsupportedModelError(
-            f"{name}: every layer is sliding-window or chunked attention (sliding_window={shape.sliding_window}, "
-            f"attention_chunk_size={shape.attention_chunk_size}), so there is nothing to quantize"
+            f"{name}: every layer is chunked attention (attention_chunk_size={shape.attention_chunk_size}), which "
+            "the cache keeps in transformers' own layer, so there is nothing to quantize"
         )
     return shape

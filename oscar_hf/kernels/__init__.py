@@ -18,9 +18,9 @@ __all__ = ["ATTENTION_BACKENDS", "WRITE_BACKENDS", "PackedKV", "attention_backen
 
 
 def _torch_attend(module, query, packed: PackedKV, new_key, new_value, attention_mask, scaling, recent_tokens: int,
-                  softcap=None, sinks=None):
+                  softcap=None, sinks=None, window=None):
     return decode_reference.attend(module, query, packed, new_key, new_value, attention_mask, scaling,
-                                   softcap=softcap, sinks=sinks)
+                                   softcap=softcap, sinks=sinks, window=window)
 
 
 ATTENTION_BACKENDS = {"torch": _torch_attend}
@@ -33,7 +33,7 @@ except ImportError:
 else:
     # The Triton modules are imported on first use: the interpreter mode (TRITON_INTERPRET) is read when they are.
     def _triton_attend(module, query, packed: PackedKV, new_key, new_value, attention_mask, scaling,
-                       recent_tokens: int, softcap=None, sinks=None):
+                       recent_tokens: int, softcap=None, sinks=None, window=None):
         from .decode import launch
         from .decode.triton import decode
         from .dequantize import triton as dequantize
@@ -41,12 +41,12 @@ else:
         lengths = packed.lengths()
         if lengths[1] == 0:  # nothing quantized yet: SDPA over the model's own K and V, as the default cache
             return decode_reference.attend(module, query, packed, new_key, new_value, attention_mask, scaling,
-                                           softcap=softcap, sinks=sinks)
+                                           softcap=softcap, sinks=sinks, window=window)
         if launch.supports_call(query, packed, attention_mask, recent_tokens, sum(lengths[:3])):
             return decode(query, packed, attention_mask, scaling, softcap=softcap, sinks=sinks)
         fill = dequantize.fill_history if dequantize.supports(packed) else None
         return decode_reference.attend(module, query, packed, new_key, new_value, attention_mask, scaling, fill,
-                                       softcap=softcap, sinks=sinks)
+                                       softcap=softcap, sinks=sinks, window=window)
 
     def _triton_write(key, value, **kwargs):
         from .write.triton import quantize_pack_kv
@@ -69,7 +69,7 @@ def resolve(name: str, device: torch.device) -> str:
 
 def attention_backend(name: str, device: torch.device):
     """``attend(module, query, packed, new_key, new_value, attention_mask, scaling, recent_tokens, softcap=None,
-    sinks=None)`` of backend ``name`` on ``device`` (see :func:`resolve`)."""
+    sinks=None, window=None)`` of backend ``name`` on ``device`` (see :func:`resolve`)."""
     return ATTENTION_BACKENDS[resolve(name, device)]
 
 

@@ -22,6 +22,8 @@ NON_DEFAULT = dict(
     centering=False,
     key_quantization="per-channel",
     backend="torch",
+    quantize_sliding=True,
+    sliding_recent_tokens=64,
 )
 PER_CHANNEL = dict(key_quantization="per-channel", k_clip=1.0, centering=False)
 
@@ -42,6 +44,8 @@ def test_defaults_match_the_spec():
         centering=True,
         key_quantization="per-token",
         backend="auto",
+        quantize_sliding=False,
+        sliding_recent_tokens=None,
     )
     assert OscarConfig().torch_scale_dtype == torch.float16
 

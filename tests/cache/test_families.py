@@ -8,7 +8,7 @@ and bf16, growing and static cache); calibrated, with most of the prompt in INT2
 import pytest
 import torch
 import transformers
-from helpers import FAMILIES, VOCAB, quick_calibrate
+from helpers import FAMILIES, FAMILY_TINY, VOCAB, quick_calibrate
 from helpers import build_family as build
 
 from oscar_hf import OscarQuantizedCache, OscarRotations, cache_kwargs, check_model_supported
@@ -27,12 +27,12 @@ def prompt(length: int = 30) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def generate(model, cache=None, sample: bool = False, length: int = 30):
+def generate(model, cache=None, sample: bool = False, length: int = 30, **settings):
     """(tokens, logits) of the prompt's continuation; the model's attention implementation is restored after."""
     implementation = model.config._attn_implementation
     torch.manual_seed(7)
-    out = model.generate(**prompt(length), **(cache_kwargs(model, cache) if cache is not None else {}), **SETTINGS,
-                         do_sample=sample, **({"top_k": 20} if sample else {}))
+    out = model.generate(**prompt(length), **(cache_kwargs(model, cache) if cache is not None else {}),
+                         **{**SETTINGS, **settings}, do_sample=sample, **({"top_k": 20} if sample else {}))
     model.set_attn_implementation(implementation)
     return out.sequences, torch.stack(out.logits).float()
 
@@ -129,3 +129,100 @@ def test_value_absorption_refuses_what_it_cannot_fold(family, reason):
     model = build(family)
     with pytest.raises(ValueError, match=reason):
         absorb_value_rotation(model, OscarRotations.hadamard(model.config))
+
+
+# ------------------------------------------------------------------------------ quantized sliding-window layers
+def sliding_model(dtype: torch.dtype = torch.float32, **fields):
+    """A tiny Mistral-7B-v0.1-like model: every layer sliding-window attention (16 tokens)."""
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(**{**FAMILY_TINY, "num_hidden_layers": 2, "sliding_window": 16, **fields})
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sample"])
+def test_all_sliding_model_is_served_losslessly_while_its_window_moves(dtype, sample):
+    """Every layer sliding (window 16), 100 prompt tokens and 40 new ones: the OSCAR layers drop what leaves the
+    window (the sink first), and with nothing quantized the tokens and logits are the default cache's."""
+    model = sliding_model(dtype)
+    assert check_model_supported(model).layer_types == ("sliding_attention",) * 2
+    expected = generate(model, sample=sample, length=100, max_new_tokens=40)
+    cache = OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model)
+    got = generate(model, cache, sample=sample, length=100, max_new_tokens=40)
+    assert torch.equal(got[0], expected[0])
+    torch.testing.assert_close(got[1], expected[1], rtol=0, atol=1e-5 if dtype == torch.float32 else 0)
+    layer = cache.layers[0]
+    assert type(layer).__name__ == "SlidingOscarLayer" and layer.dropped >= 64 and layer.n_sink == 0
+    assert layer.get_seq_length() == 139 and layer.length < 139
+
+
+def test_dropping_old_tokens_changes_nothing_the_model_sees(monkeypatch):
+    """With an INT2 body, a layer that drops the tokens past its window gives the same logits as one that keeps them
+    all (masked out by the sliding-window mask)."""
+    from oscar_hf.cache import SlidingOscarLayer
+
+    model = sliding_model()
+    runs = []
+    for step in (SlidingOscarLayer.EVICTION_STEP, 10**9):
+        monkeypatch.setattr(SlidingOscarLayer, "EVICTION_STEP", step)
+        cache = OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model, sink_tokens=4,
+                                                    recent_tokens=8)
+        runs.append((*generate(model, cache, length=100, max_new_tokens=40), cache.layers[0]))
+    (tokens, logits, dropping), (kept_tokens, kept_logits, keeping) = runs
+    assert dropping.dropped > 0 and keeping.dropped == 0 and dropping.n_history < keeping.n_history
+    assert torch.equal(tokens, kept_tokens)
+    torch.testing.assert_close(logits, kept_logits, rtol=0, atol=1e-5)
+    assert dropping.stored_bits_and_elements()[0] < keeping.stored_bits_and_elements()[0]
+
+
+def test_quantize_sliding_stores_an_interleaved_models_sliding_layers_too():
+    """Gemma-2 (sliding beside full): with quantize_sliding the sliding layer is an OSCAR layer as well, lossless
+    with covering windows, and with an INT2 body it stores fewer bits than with the sliding layer in fp32."""
+    model = build("gemma2-softcap")
+    rotations = OscarRotations.hadamard(model.config)
+    expected = generate(model, length=40)
+    cache = OscarQuantizedCache.from_pretrained(rotations, model=model, quantize_sliding=True)
+    got = generate(model, cache, length=40)
+    assert torch.equal(got[0], expected[0])
+    torch.testing.assert_close(got[1], expected[1], rtol=0, atol=1e-5)
+    assert [type(layer).__name__ for layer in cache.layers] == ["SlidingOscarLayer"] + ["DynamicOscarLayer"] * 2
+    bits = {}
+    for quantize_sliding in (False, True):
+        cache = OscarQuantizedCache.from_pretrained(rotations, model=model, sink_tokens=0, recent_tokens=2,
+                                                    quantize_sliding=quantize_sliding)
+        generate(model, cache, length=40)
+        bits[quantize_sliding] = cache.bits_per_element
+    assert bits[True] < bits[False]
+
+
+def test_quantized_sliding_layers_need_a_growing_cache():
+    with pytest.raises(ValueError, match="without max_cache_len .*every layer of this model is sliding"):
+        OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(sliding_model().config), model=sliding_model(),
+                                            max_cache_len=64)
+    model = build("gemma2-softcap")
+    with pytest.raises(ValueError, match="build the cache without max_cache_len"):
+        OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model, max_cache_len=64,
+                                            quantize_sliding=True)
+
+
+def test_a_crop_past_what_a_sliding_layer_holds_is_refused():
+    model = sliding_model()
+    cache = OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model)
+    generate(model, cache, length=100, max_new_tokens=40)
+    layer = cache.layers[0]
+    layer.crop(-3)
+    assert layer.get_seq_length() == 136
+    with pytest.raises(ValueError, match="left its window"):
+        layer.crop(-(layer.length + 1))
+
+
+def test_sliding_recent_tokens_sets_only_the_sliding_layers_window():
+    model = build("gemma2-softcap")
+    cache = OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model, recent_tokens=16,
+                                                quantize_sliding=True, sliding_recent_tokens=4)
+    assert [layer.config.recent_tokens for layer in cache.layers] == [4, 16, 16]
+    generate(model, cache, length=40)
+    sliding, full = cache.layers[:2]
+    assert sliding.dropped > 0 and sliding.n_recent <= sliding.recent_limit == 4 + 8 - 1 and full.n_history > 0

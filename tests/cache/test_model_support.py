@@ -41,7 +41,8 @@ REFUSED = {
         ),
         "latent attention",
     ),
-    "all-sliding-mistral": (lambda: tiny("MistralConfig", sliding_window=4096), "nothing to quantize"),
+    "all-chunked": (lambda: tiny("Llama4TextConfig", intermediate_size_mlp=64, attention_chunk_size=8,
+                                 num_local_experts=2, no_rope_layers=[1, 1]), "nothing to quantize"),
 }
 
 

@@ -69,7 +69,8 @@ def model_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 
 def attend(module: torch.nn.Module, query: torch.Tensor, packed: PackedKV, new_key: torch.Tensor,
            new_value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None,
-           fill=None, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+           fill=None, softcap: float | None = None, sinks: torch.Tensor | None = None,
+           window: int | None = None) -> torch.Tensor:
     """Attention of queries over ``sink ‖ dequantized history ‖ recent``, all in the model's basis (the history
     rotated back): where no token has reached the history, this is SDPA over the model's own K and V.
 
@@ -82,17 +83,22 @@ def attend(module: torch.nn.Module, query: torch.Tensor, packed: PackedKV, new_k
         attention_mask: bool ``[B, 1, q, >= T]`` (True = attend) or None (causal, aligned bottom-right).
         fill: the history fill of :func:`materialize` (None: torch; the Triton backend passes its dequantize kernel).
         softcap, sinks: logit soft-capping and learned sink logits ``[Hq]`` (:func:`dense_attention`), or None.
+        window: a sliding-window layer's window: only the last ``window - 1 + q`` keys are read (the ones its
+            queries can see; the mask hides the older ones a layer may still hold), as transformers' own layer
+            holds them.
     Returns:
         ``[B, q, Hq, D]``.
     """
     past = sum(packed.lengths()[:3]) - new_key.shape[2]
     k, v = (materialize(packed, side, past, new=new, fill=fill)
             for side, new in (("key", new_key), ("value", new_value)))
+    q_len, kv_len = query.shape[2], k.shape[2]
+    visible = kv_len if window is None else min(kv_len, window - 1 + q_len)
+    if attention_mask is not None:
+        attention_mask = attention_mask[..., kv_len - visible : kv_len]
+    k, v, kv_len = k[:, :, kv_len - visible :], v[:, :, kv_len - visible :], visible
     if packed.lengths()[1] and (softcap is not None or sinks is not None):
         return dense_attention(module, query, k, v, attention_mask, scaling, softcap, sinks)
-    q_len, kv_len = query.shape[2], k.shape[2]
-    if attention_mask is not None:
-        attention_mask = attention_mask[..., :kv_len]
     if attention_mask is None and 1 < q_len < kv_len:
         attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
     return model_attention(module, query, k, v, attention_mask, scaling, softcap, sinks)
