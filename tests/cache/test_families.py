@@ -223,6 +223,6 @@ def test_sliding_recent_tokens_sets_only_the_sliding_layers_window():
     cache = OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model, recent_tokens=16,
                                                 quantize_sliding=True, sliding_recent_tokens=4)
     assert [layer.config.recent_tokens for layer in cache.layers] == [4, 16, 16]
-    generate(model, cache, length=40)
+    generate(model, cache, length=100)
     sliding, full = cache.layers[:2]
     assert sliding.dropped > 0 and sliding.n_recent <= sliding.recent_limit == 4 + 8 - 1 and full.n_history > 0
