@@ -65,8 +65,8 @@ def default_config(batch: int, head_dim: int, query_len: int = 1) -> DecodeConfi
     24 tiles, and caps the history programs at 7.7 per SM where the window programs are between one per SM and half
     the history programs (:func:`plan_splits`). From H100 sweeps over batch, length and head_dim."""
     one_token_d128 = query_len == 1 and head_dim == 128
-    if head_dim > 256:  # Gemma-4's full layers: 32-token tiles over 4 warps, 4 programs per SM (H200 sweep)
-        return DecodeConfig(block_n=32, num_warps=4, num_stages=2, programs_per_sm=4)
+    if head_dim > 256:  # Gemma-4's full layers: 64-token tiles over 4 warps, 4 programs per SM (H200 sweep)
+        return DecodeConfig(block_n=64, num_warps=4, num_stages=2, programs_per_sm=4)
     return DecodeConfig(block_n=64 if head_dim <= 128 else 32, num_warps=1, num_stages=3,
                         programs_per_sm=8 if head_dim > 128 else 12,
                         min_program_tiles=24 if one_token_d128 else 0,
