@@ -38,7 +38,7 @@ def absorb_value_rotation(model: torch.nn.Module, rotations: OscarRotations) -> 
     value_rotation = [r.clone() for r in rotations.value_rotation]
     for attention in attentions:
         i = attention.layer_idx
-        if shape.layer_types[i] != "full_attention":
+        if shape.attention(i) != "full_attention":
             continue
         if attention.v_proj is None:
             raise ValueError(f"V absorption needs a v_proj in layer {i}; its values come from k_proj (K = V "

@@ -19,11 +19,14 @@ One layer class per allocation mode, as in transformers: :class:`DynamicOscarLay
 kernels serve it, takes each decode step as device-only operators (a graph step: no host synchronisation, one CUDA
 graph per model step under ``torch.compile``). ``update`` returns :class:`OscarKV` handles instead of dense tensors;
 the ``"oscar"`` attention function reads the storage through them. Sliding-window and chunked-attention layers keep
-transformers' own layer.
+transformers' own layer (sliding ones are OSCAR layers too with ``quantize_sliding``: :class:`SlidingOscarLayer`);
+linear-attention and state-space layers keep transformers' state layer, and a layer with both keeps its state beside
+its OSCAR storage.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -768,6 +771,91 @@ class StaticOscarLayer(OscarLayer):
             t.copy_(t.index_select(0, beam_idx.to(t.device)))
 
 
+@functools.cache
+def _with_state(attention_layer: type) -> type:
+    """``attention_layer`` with a linear-attention / state-space layer's conv and recurrent states beside it (the
+    "hybrid" layers of Falcon-H1 and Zamba), as transformers' LinearAttentionAndFullAttentionLayer combines them."""
+    state_layer = cache_utils.LinearAttentionLayer
+
+    class WithState(state_layer, attention_layer):
+        def __init__(self, *args, number_of_states: int = 1, **kwargs):
+            attention_layer.__init__(self, *args, **kwargs)
+            state_layer.__init__(self, number_of_states=number_of_states)
+
+        def lazy_initialization(self, *args, **kwargs) -> None:
+            if len(args) == 2 and not kwargs:  # K/V, from update
+                attention_layer.lazy_initialization(self, *args)
+            else:  # conv or recurrent states, from update_conv_state / update_recurrent_state
+                state_layer.lazy_initialization(self, **kwargs)
+
+        def reset(self) -> None:
+            state_layer.reset(self)
+            attention_layer.reset(self)
+
+        def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+            state_layer.reorder_cache(self, beam_idx)
+            attention_layer.reorder_cache(self, beam_idx)
+
+        def crop(self, tokens_to_remove: int) -> None:
+            state_layer.crop(self, tokens_to_remove)
+            attention_layer.crop(self, tokens_to_remove)
+
+        is_compileable = attention_layer.is_compileable
+        is_croppable = False  # a recurrent state cannot be taken back
+        get_max_length = attention_layer.get_max_length
+
+    WithState.__name__ = WithState.__qualname__ = f"{attention_layer.__name__}WithState"
+    return WithState
+
+
+class _LayerBuilder:
+    """The cache layer of each model layer, by what it caches (:meth:`ModelShape.attention`): OSCAR layers for full
+    attention (and sliding-window attention with ``quantize_sliding``), transformers' own layers for the rest, a
+    linear-attention state beside them where the layer keeps one, and nothing where it caches nothing."""
+
+    def __init__(self, config, rotations, shape, max_cache_len, quantize_sliding, text_config):
+        self.config, self.rotations, self.shape = config, rotations, shape
+        self.max_cache_len, self.quantize_sliding = max_cache_len, quantize_sliding
+        self.layer_configs = list(getattr(text_config, "per_layer_config", None) or [text_config] * shape.num_layers)
+
+    def __call__(self, i: int):
+        shape = self.shape
+        if not shape.reads_own_kv(i):  # reads an earlier layer's K/V (KV sharing): stores nothing
+            return NoKVLayer()
+        cls, args = self.ATTENTION[shape.attention(i)](self, i)
+        if shape.has_state(i):
+            states = getattr(self.layer_configs[i], "number_of_conv_states", 1)
+            with_state = (cache_utils.LinearAttentionLayer if cls is None else
+                          cache_utils.LinearAttentionAndSlidingWindowAttentionLayer if cls is DynamicSlidingWindowLayer
+                          else _with_state(cls))
+            return with_state(*args, number_of_states=states)
+        return cls(*args) if cls is not None else NoKVLayer()
+
+    def _rotations(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotations.key_rotation[i], self.rotations.value_rotation[i]
+
+    def full(self, i: int):
+        if self.max_cache_len is None:
+            return DynamicOscarLayer, (self.config.for_layer(i), *self._rotations(i))
+        return StaticOscarLayer, (self.config.for_layer(i), *self._rotations(i), self.max_cache_len)
+
+    def sliding(self, i: int):
+        window = self.shape.window("sliding_attention")
+        if not self.quantize_sliding:  # transformers' own layer, as DynamicCache's
+            return DynamicSlidingWindowLayer, (window,)
+        cfg = self.config
+        recent = cfg.recent_tokens if cfg.sliding_recent_tokens is None else cfg.sliding_recent_tokens
+        return SlidingOscarLayer, (cfg.for_layer(i).replace(recent_tokens=recent), *self._rotations(i), window)
+
+    def chunked(self, i: int):
+        return DynamicSlidingWindowLayer, (self.shape.window("chunked_attention"),)
+
+    def none(self, i: int):
+        return None, ()
+
+    ATTENTION = {"full_attention": full, "sliding_attention": sliding, "chunked_attention": chunked, None: none}
+
+
 class OscarQuantizedCache(Cache):
     """A transformers Cache holding rotated K/V in INT2 (or INT4) with sink and recent windows.
 
@@ -811,39 +899,26 @@ class OscarQuantizedCache(Cache):
         if config.backend == "triton" and "triton" not in WRITE_BACKENDS:
             raise ImportError("OscarConfig.backend='triton' needs the triton package (pip install oscar-hf[triton])")
         shape = ModelShape.from_config(model_config)
+        kinds = [shape.attention(i) for i in range(shape.num_layers)]
         # sliding-window layers stored by OSCAR too: on request, or where the model has no full-attention layer
-        quantize_sliding = config.quantize_sliding or "full_attention" not in shape.layer_types
+        quantize_sliding = config.quantize_sliding or "full_attention" not in kinds
         stored = ("full_attention", "sliding_attention") if quantize_sliding else ("full_attention",)
-        if quantize_sliding and max_cache_len is not None and "sliding_attention" in shape.layer_types:
+        if quantize_sliding and max_cache_len is not None and "sliding_attention" in kinds:
             raise ValueError("quantized sliding-window layers drop the tokens that leave their window on the host: "
                              "build the cache without max_cache_len" + (
                                  "" if config.quantize_sliding else
                                  " (every layer of this model is sliding-window attention, so they are all quantized)"))
-        for i, kind in enumerate(shape.layer_types):
+        for i, kind in enumerate(kinds):
             if kind in stored:
                 config.resolved_group_size(shape.head_dims[i])
         for i in config.key_bits_layers or ():
-            if i >= len(shape.layer_types) or shape.layer_types[i] not in stored:
+            if i >= len(kinds) or kinds[i] not in stored:
                 raise ValueError(f"OscarConfig.key_bits_layers lists layer {i}, which this cache does not quantize "
-                                 f"({len(shape.layer_types)} layers; sliding-window layers are in the model dtype "
+                                 f"({len(kinds)} layers; sliding-window layers are in the model dtype "
                                  "unless quantize_sliding)")
-        layers = []
-        for i, kind in enumerate(shape.layer_types):
-            if not shape.reads_own_kv(i):  # reads an earlier layer's K/V (KV sharing): stores nothing
-                layers.append(NoKVLayer())
-            elif kind == "full_attention":
-                rotation_pair = (rotations.key_rotation[i], rotations.value_rotation[i])
-                layers.append(DynamicOscarLayer(config.for_layer(i), *rotation_pair) if max_cache_len is None else
-                              StaticOscarLayer(config.for_layer(i), *rotation_pair, max_cache_len))
-            elif kind == "sliding_attention" and quantize_sliding:
-                recent = config.recent_tokens if config.sliding_recent_tokens is None else config.sliding_recent_tokens
-                layers.append(SlidingOscarLayer(config.for_layer(i).replace(recent_tokens=recent),
-                                                rotations.key_rotation[i],
-                                                rotations.value_rotation[i], shape.window(kind)))
-            elif kind in ("sliding_attention", "chunked_attention"):  # transformers' own layer, as DynamicCache's
-                layers.append(DynamicSlidingWindowLayer(sliding_window=shape.window(kind)))
-            else:
-                raise ValueError(f"layer {i} has type {kind!r}, which OscarQuantizedCache cannot store")
+        build = _LayerBuilder(config, rotations, shape, max_cache_len, quantize_sliding,
+                              model_config.get_text_config(decoder=True))
+        layers = [build(i) for i in range(shape.num_layers)]
         super().__init__(layers=layers)
         self.config = config
         self.rotations = rotations
@@ -904,13 +979,16 @@ class OscarQuantizedCache(Cache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every tensor the cache holds (capacity included), read from the tensors."""
+        """Bytes of every tensor the cache holds (capacity included, linear-attention and state-space layers' states
+        too), read from the tensors."""
         total = 0
         for layer in self.layers:
             if isinstance(layer, OscarLayer):
                 total += layer.nbytes
-            elif layer.is_initialized and getattr(layer, "keys", None) is not None:
+            elif getattr(layer, "is_initialized", False) and getattr(layer, "keys", None) is not None:
                 total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
+            for states in (getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {})):
+                total += sum(t.numel() * t.element_size() for t in states.values() if t is not None)
         return total
 
     @property
@@ -920,7 +998,7 @@ class OscarQuantizedCache(Cache):
         for layer in self.layers:
             if isinstance(layer, OscarLayer):
                 b, e = layer.stored_bits_and_elements()
-            elif layer.is_initialized and getattr(layer, "keys", None) is not None:
+            elif getattr(layer, "is_initialized", False) and getattr(layer, "keys", None) is not None:
                 e = layer.keys.numel() + layer.values.numel()
                 b = 8 * layer.keys.element_size() * e
             else:

@@ -293,8 +293,9 @@ def calibrate(
         _forward_all(model, moments, chunks, batch_size, "calibrate (pass 1)", show_progress)
     sums = _reduce(moments.sums)
     groups = [shape.num_heads // h for h in shape.kv_heads]  # query heads per KV head, by layer
-    # layers that store no K/V of their own (KV sharing): their queries count towards the layer they read
-    layers = [i for i in range(shape.num_layers) if shape.reads_own_kv(i)]
+    # the layers with K/V of their own: not linear-attention or state-space layers, nor KV-sharing ones (whose
+    # queries count towards the layer they read)
+    layers = [i for i in range(shape.num_layers) if shape.reads_own_kv(i) and shape.attention(i) is not None]
 
     if v_target == "sst":
         query_cov = {i: sums[f"{i}.qq"] / (sums[f"{i}.tokens"] * groups[i]) for i in layers}
@@ -316,7 +317,7 @@ def calibrate(
 
     def rotations_for(target: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per layer: rotations ``[(H,) D, D]`` and eigenvalues ``[(H,) D]`` for ``target`` (the identity where a
-        layer reads another layer's K/V)."""
+        layer has no K/V of its own)."""
         out = []
         for i, (h, d) in enumerate(zip(shape.kv_heads, shape.head_dims)):
             heads = (h,) if per_head else ()

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-from transformers import AttentionInterface, AttentionMaskInterface
+from transformers import AttentionInterface, AttentionMaskInterface, cache_utils
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
@@ -43,11 +43,11 @@ class CapturedKV:
         self.layer, self.states = layer, states
 
     def attend(self, module, query, value: "CapturedKV", attention_mask, scaling) -> tuple[torch.Tensor, None]:
-        """Plain sdpa over the raw K/V, reporting q, k, v and the output to the observer. A layer that reads this
-        layer's K/V (KV sharing) is not reported: in a forward that keeps one logit, transformers runs those layers
-        on the last token alone."""
+        """Plain sdpa over the raw K/V, reporting q, k, v and the output to the observer. Queries fewer than the keys
+        are not reported: they are a layer that reads this layer's K/V (KV sharing), which transformers runs on the
+        last token alone in a forward that keeps one logit (a layer's own queries are its keys' tokens)."""
         out, _ = sdpa_attention_forward(module, query, self.states, value.states, attention_mask, scaling=scaling)
-        if getattr(module, "layer_idx", self.layer.layer_idx) != self.layer.layer_idx:
+        if query.shape[2] != self.states.shape[2]:
             return out, None
         scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
         self.layer.observer.observe(
@@ -82,10 +82,21 @@ class CaptureLayer(CacheLayerMixin):
 
 
 class CaptureCache(Cache):
-    """The cache of a capture forward: one CaptureLayer per model layer."""
+    """The cache of a capture forward: a CaptureLayer per attention layer; transformers' state layer for a
+    linear-attention or state-space layer (beside the CaptureLayer where a layer has both)."""
 
-    def __init__(self, observer: Observer, num_layers: int):
-        super().__init__(layers=[CaptureLayer(observer, i) for i in range(num_layers)])
+    def __init__(self, observer: Observer, shape: ModelShape):
+        from .cache import _with_state
+
+        layers = []
+        for i in range(shape.num_layers):
+            if not shape.has_state(i):
+                layers.append(CaptureLayer(observer, i))
+            elif shape.attention(i) is None:
+                layers.append(cache_utils.LinearAttentionLayer())
+            else:
+                layers.append(_with_state(CaptureLayer)(observer, i))
+        super().__init__(layers=layers)
 
 
 def capture_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -116,7 +127,7 @@ def run_capture(model: torch.nn.Module, observer: Observer, input_ids: torch.Ten
     previous = _attention_implementations(model.config)
     model.set_attn_implementation(CAPTURE_IMPLEMENTATION)
     try:
-        cache = CaptureCache(observer, ModelShape.from_config(model.config).num_layers)
+        cache = CaptureCache(observer, ModelShape.from_config(model.config))
         model(input_ids=input_ids.to(model.device), **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
     finally:
         model.set_attn_implementation(previous)

@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import inspect
+import sys
 from dataclasses import dataclass
 
 import torch
+import transformers
+from transformers import cache_utils
 
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+# transformers' layer types by what the cache holds for them: a KV cache of full, sliding-window or chunked attention,
+# with a linear-attention / state-space state beside it ("hybrid", "hybrid_sliding": Falcon-H1, Zamba), a state alone
+# (Gated DeltaNet, Mamba, short convolutions), or nothing (MLP-only layers)
+ATTENTION_OF = {"full_attention": "full_attention", "hybrid": "full_attention",
+                "sliding_attention": "sliding_attention", "hybrid_sliding": "sliding_attention",
+                "chunked_attention": "chunked_attention"}
+WITH_STATE = ("hybrid", "hybrid_sliding", "linear_attention", "conv")
+NO_CACHE = ("moe", "mlp")
+SUPPORTED_LAYER_TYPES = (*ATTENTION_OF, "linear_attention", "conv", *NO_CACHE)
 
 # Decoders that route attention through AttentionInterface but touch K/V between the cache update
 # and the attention call, or cache something other than per-head K and V.
@@ -64,6 +75,20 @@ class ModelShape:
         if len(set(values)) != 1:
             raise ValueError(f"{name} differs between layers ({sorted(set(values))}); read it per layer")
         return values[0]
+
+    def attention(self, layer: int) -> str | None:
+        """The attention ``layer`` caches K/V for: "full_attention", "sliding_attention", "chunked_attention", or None
+        (a linear-attention / state-space layer, or one without attention)."""
+        return ATTENTION_OF.get(self.layer_types[layer])
+
+    def has_state(self, layer: int) -> bool:
+        """Whether ``layer`` keeps a linear-attention or state-space state (conv and recurrent) in the cache."""
+        return self.layer_types[layer] in WITH_STATE
+
+    @property
+    def full_attention_layers(self) -> list[int]:
+        """The layers whose K/V the cache quantizes by default."""
+        return [i for i in range(self.num_layers) if self.attention(i) == "full_attention"]
 
     def reads_own_kv(self, layer: int) -> bool:
         """Whether ``layer`` stores K/V of its own (False for a KV-sharing layer that reads an earlier one's)."""
@@ -124,7 +149,8 @@ def check_model_supported(model: torch.nn.Module) -> ModelShape:
         raise UnsupportedModelError(f"{name}: encoder-decoder models are not supported, only decoders")
     if model_type in UNSUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(f"{name} ({model_type}): {UNSUPPORTED_MODEL_TYPES[model_type]} is not supported")
-    if hasattr(type(model), "is_backend_compatible") and not type(model).is_backend_compatible():
+    modeling = sys.modules.get(type(model).__module__)
+    if modeling is not None and not hasattr(modeling, "ALL_ATTENTION_FUNCTIONS"):
         raise UnsupportedModelError(f"{name} does not route attention through transformers' AttentionInterface")
     if getattr(cfg, "kv_lora_rank", None) is not None or getattr(cfg, "q_lora_rank", None) is not None:
         raise UnsupportedModelError(f"{name}: multi-head latent attention (MLA) is not supported")
@@ -139,9 +165,15 @@ def check_model_supported(model: torch.nn.Module) -> ModelShape:
     unknown = sorted(set(shape.layer_types) - set(SUPPORTED_LAYER_TYPES))
     if unknown:
         raise UnsupportedModelError(f"{name}: layer types {unknown} are not supported (only {SUPPORTED_LAYER_TYPES})")
-    if not {"full_attention", "sliding_attention"} & set(shape.layer_types):
+    has_state = any(shape.has_state(i) for i in range(shape.num_layers))
+    if has_state and not hasattr(cache_utils, "LinearAttentionLayer"):
+        raise UnsupportedModelError(f"{name}: its linear-attention or state-space layers need a transformers whose "
+                                    "Cache holds their state (LinearAttentionLayer); this is "
+                                    f"{transformers.__version__}")
+    kinds = {shape.attention(i) for i in range(shape.num_layers)}
+    if not {"full_attention", "sliding_attention"} & kinds:
         raise UnsupportedModelError(
-            f"{name}: every layer is chunked attention (attention_chunk_size={shape.attention_chunk_size}), which "
-            "the cache keeps in transformers' own layer, so there is nothing to quantize"
+            f"{name}: no layer caches full or sliding-window attention (layer types {sorted(set(shape.layer_types))}),"
+            " so there is nothing to quantize"
         )
     return shape

@@ -297,7 +297,7 @@ class OscarRotations:
                 raise ValueError(f"{path}: layer ids {ids} are not 0..{len(ids) - 1}; pass model_config= to place "
                                  "global layer ids (a hybrid's full-attention layers)")
             else:
-                full = [i for i, kind in enumerate(shape.layer_types) if kind == "full_attention"]
+                full = shape.full_attention_layers
                 if ids != full:
                     raise ValueError(f"{path}: layer ids {ids} are neither the model's {shape.num_layers} layers nor "
                                      f"its full-attention layers {full}")

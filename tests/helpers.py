@@ -151,6 +151,10 @@ GEMMA4 = dict(FAMILY_TINY, num_attention_heads=4, num_key_value_heads=2, head_di
               num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=8, hidden_size_per_layer_input=8,
               vocab_size_per_layer_input=VOCAB)
 
+LINEAR = dict(linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=16, linear_value_head_dim=16,
+              linear_conv_kernel_dim=4)
+MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=16)
+
 # name -> (config class, config fields)
 FAMILIES = {
     "gemma2-softcap": ("Gemma2Config", dict(FAMILY_TINY, num_hidden_layers=3, attn_logit_softcapping=5.0,
@@ -170,6 +174,26 @@ FAMILIES = {
                                                      hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
                                                      laurel_rank=4, altup_num_inputs=2,
                                                      activation_sparsity_pattern=[0.0] * 4)),
+    # hybrids: linear-attention (Gated DeltaNet) or Mamba layers beside full attention, or both in one layer
+    "qwen3.5-hybrid": ("Qwen3_5TextConfig", dict(FAMILY_TINY, num_hidden_layers=4, **LINEAR)),
+    "qwen3-next-hybrid": ("Qwen3NextConfig", dict(FAMILY_TINY, num_hidden_layers=4, num_experts=4,
+                                                  num_experts_per_tok=2, moe_intermediate_size=32,
+                                                  shared_expert_intermediate_size=32, **LINEAR)),
+    "granite-4.0-h-hybrid": ("GraniteMoeHybridConfig", dict(FAMILY_TINY, num_hidden_layers=4, num_local_experts=0,
+                                                            layer_types=["mamba", "attention"] * 2, **MAMBA)),
+    "falcon-h1-hybrid": ("FalconH1Config", dict(FAMILY_TINY, num_hidden_layers=2, mamba_d_ssm=128, **MAMBA)),
+    "jamba-hybrid": ("JambaConfig", dict(FAMILY_TINY, num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1,
+                                         expert_layer_period=2, expert_layer_offset=1, num_experts=2, mamba_d_state=8,
+                                         mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8)),
+    "bamba-hybrid": ("BambaConfig", dict(FAMILY_TINY, num_hidden_layers=4, attn_layer_indices=[1, 3], mamba_expand=2,
+                                         **MAMBA)),
+    "nemotron-h-hybrid": ("NemotronHConfig", dict(FAMILY_TINY, num_hidden_layers=4, n_groups=1, chunk_size=16,
+                                                  layers_block_type=["mamba", "attention", "mlp", "attention"],
+                                                  mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=8)),
+    "zamba2-hybrid": ("Zamba2Config", dict(FAMILY_TINY, num_hidden_layers=4, hybrid_layer_ids=[1, 3],
+                                           layers_block_type=["mamba", "hybrid"] * 2, mamba_d_state=8,
+                                           mamba_headdim=16, mamba_ngroups=1, n_mamba_heads=8, chunk_size=16,
+                                           num_mem_blocks=1, use_shared_attention_adapter=False, adapter_rank=8)),
 }
 
 

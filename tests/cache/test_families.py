@@ -52,10 +52,13 @@ def test_lossless_with_covering_windows(family, dtype, mode):
     torch.testing.assert_close(got[1], expected[1], rtol=0, atol=1e-5 if dtype == torch.float32 else 0)
     shape = check_model_supported(model)
     kinds = [type(layer).__name__ for layer in cache.layers]
-    for i, kind in enumerate(shape.layer_types):
-        want = ("DummyLayer" if not shape.reads_own_kv(i) else
+    for i in range(shape.num_layers):
+        kind = shape.attention(i)
+        caches_nothing = not shape.reads_own_kv(i) or kind is None and not shape.has_state(i)  # KV sharing, MLP
+        want = ("DummyLayer" if caches_nothing else "LinearAttentionLayer" if kind is None else
                 "OscarLayer" if kind == "full_attention" else "DynamicSlidingWindowLayer")
         assert want in kinds[i], (i, kinds)
+        assert shape.has_state(i) == ("WithState" in kinds[i] or kind is None and not caches_nothing)
         if want == "DynamicSlidingWindowLayer":
             assert cache.layers[i].sliding_window == shape.window(kind) == 8
 
@@ -226,3 +229,28 @@ def test_sliding_recent_tokens_sets_only_the_sliding_layers_window():
     generate(model, cache, length=100)
     sliding, full = cache.layers[:2]
     assert sliding.dropped > 0 and sliding.n_recent <= sliding.recent_limit == 4 + 8 - 1 and full.n_history > 0
+
+
+# ------------------------------------------------------------------------------------------------------ hybrids
+@pytest.mark.parametrize("family", ["qwen3.5-hybrid", "falcon-h1-hybrid"])
+def test_hybrid_beam_search_reorders_states_and_oscar_layers_alike(family):
+    """Beam search over a left-padded batch: the linear-attention / Mamba states and the OSCAR layers are reordered
+    together, so that the beams are the default cache's."""
+    model = build(family)
+    settings = dict(num_beams=3, num_return_sequences=2, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    expected = model.generate(**prompt(), **settings)
+    implementation = model.config._attn_implementation
+    cache = OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model)
+    got = model.generate(**prompt(), **cache_kwargs(model, cache), **settings)
+    model.set_attn_implementation(implementation)
+    assert torch.equal(got, expected)
+
+
+def test_hybrid_calibration_rotates_only_the_attention_layers():
+    """Qwen3.5 (three Gated DeltaNet layers, then full attention): calibration captures the full-attention layer
+    alone; the bundle keys layers by their global id, the identity where a layer has no K/V."""
+    model = build("qwen3.5-hybrid")
+    rotations = quick_calibrate(model, torch.randint(3, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0)))
+    eye = torch.eye(32)
+    assert [torch.equal(r, eye) for r in rotations.key_rotation] == [True, True, True, False]
+    assert not torch.equal(rotations.value_rotation[3], eye)
