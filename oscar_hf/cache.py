@@ -40,7 +40,7 @@ from .kernels.decode import launch as decode_launch
 from .kernels.dequantize.reference import dequantize_history, materialize, unrotate
 from .kernels.flags import raise_for_flags
 from .model_support import ModelShape, check_model_supported
-from .quantizer import QuantizedRows
+from .quantizer import QuantizedRows, dequantize, quantize
 from .rotations import OscarRotations
 
 ATTN_IMPLEMENTATION = "oscar"
@@ -624,6 +624,177 @@ class SlidingOscarLayer(DynamicOscarLayer):
         super().crop(tokens_to_remove)
 
 
+class LatentOscarLayer(CacheLayerMixin):
+    """A multi-head latent attention (MLA) layer's storage: the compressed latent ``[B, 1, T, r]`` (what DeepSeek-V3
+    and its kin hand to ``update`` as K) as ``sink ‖ history ‖ recent``, the history rotated (``c @ R``), centered
+    and quantized per token like an OSCAR layer's K; the RoPE part of the key ``[B, 1, T, rope]`` (handed as V) kept
+    in the model dtype for every token, since 2-bit RoPE keys wreck attention. ``update`` returns both whole and
+    dense, the history dequantized and rotated back, for the model to expand through ``kv_b_proj`` (its attention
+    then runs on plain tensors): a dequantize path, no fused kernel. Host-side updates only."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, config: OscarConfig, rotation: torch.Tensor):
+        super().__init__()
+        self.config = config
+        self.rotation = rotation.detach().clone()  # [r, r]
+        self.rotates = not _is_identity(rotation)
+        self.counts = [0, 0, 0]  # sink, history, recent
+
+    n_sink, n_history, n_recent = (property(lambda self, i=i: self.counts[i],
+                                            lambda self, v, i=i: self.counts.__setitem__(i, v)) for i in range(3))
+
+    @property
+    def length(self) -> int:
+        return sum(self.counts)
+
+    def lazy_initialization(self, latent: torch.Tensor, rope: torch.Tensor) -> None:
+        batch, heads, _, dim = latent.shape
+        if self.rotation.shape != (dim, dim):
+            raise ValueError(f"a latent rotation {tuple(self.rotation.shape)} does not fit a latent of {dim} channels")
+        self.dtype, self.device = latent.dtype, latent.device
+        cfg = self.config
+        self.group_size = cfg.resolved_group_size(dim)
+        self.rotation = self.rotation.to(self.device, torch.float32)
+
+        def empty(*tail: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.empty(batch, heads, 0, *tail, dtype=dtype, device=self.device)
+
+        self.windows = {name: _Segment({"latent": empty(dim, dtype=self.dtype)}) for name in ("sink", "recent")}
+        bits, groups = cfg.side_bits["key"], dim // self.group_size
+        self.history = _Segment({"codes": empty(dim * bits // 8, dtype=torch.uint8),
+                                 "scale": empty(groups, dtype=cfg.torch_scale_dtype),
+                                 "zero": empty(groups, dtype=cfg.torch_scale_dtype)})
+        self.center = torch.zeros(batch, heads, 1, dim, device=self.device)
+        self.rope = _Segment({"rope": empty(rope.shape[-1], dtype=rope.dtype)})
+        self.is_initialized = True
+
+    def update(self, latent: torch.Tensor, rope: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``latent [B, 1, n, r]`` and ``rope [B, 1, n, rope]``; return the whole sequence of each, dense."""
+        if not self.is_initialized:
+            self.lazy_initialization(latent, rope)
+        total = self.length + latent.shape[2]
+        _reserve_rows(self.rope, self.length, total)
+        self.rope.write(self.length, {"rope": rope})
+        self._append(latent)
+        return self.materialize(), self.rope["rope"][:, :, :total]
+
+    def _append(self, latent: torch.Tensor) -> None:
+        cfg, sink, recent = self.config, self.windows["sink"], self.windows["recent"]
+        to_sink = min(cfg.sink_tokens - self.n_sink, latent.shape[2])
+        if to_sink:
+            _grow_window(sink, self.n_sink, self.n_sink + to_sink, cfg.sink_tokens)
+            sink.write(self.n_sink, {"latent": latent[:, :, :to_sink]})
+            self.n_sink += to_sink
+        window = torch.cat([recent["latent"][:, :, :self.n_recent], latent[:, :, to_sink:]], dim=2)
+        limit = cfg.recent_tokens + cfg.flush_tokens - 1
+        demoted = 0
+        if window.shape[2] > limit:
+            demoted = (window.shape[2] - cfg.recent_tokens) // cfg.flush_tokens * cfg.flush_tokens
+            self._quantize_into_history(window[:, :, :demoted])
+        self.n_recent = window.shape[2] - demoted
+        _grow_window(recent, 0, self.n_recent, limit)
+        recent.write(0, {"latent": window[:, :, demoted:]})
+
+    def _quantize_into_history(self, rows: torch.Tensor) -> None:
+        cfg = self.config
+        rows = rows.float() @ self.rotation if self.rotates else rows.float()
+        if not self.n_history and cfg.centering:
+            self.center.copy_(rows.mean(dim=2, keepdim=True))
+        quantized = quantize(rows - self.center, bits=cfg.side_bits["key"], group_size=self.group_size,
+                             clip=cfg.k_clip, scale_dtype=cfg.torch_scale_dtype, method=cfg.quantizer)
+        _reserve_rows(self.history, self.n_history, self.n_history + rows.shape[2])
+        self.history.write(self.n_history, quantized._asdict())
+        self.n_history += rows.shape[2]
+
+    def materialize(self) -> torch.Tensor:
+        """The latent sequence ``[B, 1, T, r]`` in the model dtype: the windows as stored, the history dequantized,
+        centered back and rotated back (fp32 sums, rounded once)."""
+        history = self.history.read(self.n_history)
+        rows = dequantize(QuantizedRows(history["codes"], history["scale"], history["zero"]),
+                          self.config.side_bits["key"]) + self.center
+        if self.rotates:
+            rows = rows @ self.rotation.mT
+        parts = (self.windows["sink"]["latent"][:, :, :self.n_sink], rows.to(self.dtype),
+                 self.windows["recent"]["latent"][:, :, :self.n_recent])
+        return torch.cat(parts, dim=2)
+
+    # ------------------------------------------------------------------ cache bookkeeping API
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def _segments(self) -> tuple[_Segment, ...]:
+        return (*self.windows.values(), self.history, self.rope) if self.is_initialized else ()
+
+    def reset(self) -> None:
+        self.counts = [0, 0, 0]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the newest ``-tokens_to_remove`` tokens (from the recent window, then the history, then the sink: the
+        history's dropped tokens cannot return to the window, so a crop past it keeps its quantized ones)."""
+        remove = min(-int(tokens_to_remove), self.length)
+        for i in (2, 1, 0):
+            taken = min(remove, self.counts[i])
+            self.counts[i] -= taken
+            remove -= taken
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        for segment in self._segments():
+            segment.map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        if self.is_initialized:
+            self.center = self.center.index_select(0, beam_idx.to(self.center.device))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        for segment in self._segments():
+            segment.map(lambda t: t.repeat_interleave(repeats, dim=0))
+        if self.is_initialized:
+            self.center = self.center.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        for segment in self._segments():
+            segment.map(lambda t: t[indices])
+        if self.is_initialized:
+            self.center = self.center[indices]
+
+    def offload(self):
+        raise NotImplementedError("OscarQuantizedCache does not support offloading")
+
+    prefetch = offload
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor this layer holds, capacity and the rotation it applies included."""
+        if not self.is_initialized:
+            return 0
+        rotation = self.rotation.numel() * self.rotation.element_size() if self.rotates else 0
+        return sum(s.nbytes() for s in self._segments()) + self.center.numel() * 4 + rotation
+
+    def stored_bits_and_elements(self) -> tuple[int, int]:
+        """(bits of stored data, elements stored: latent and RoPE part) over the tokens in use."""
+        if not self.is_initialized:
+            return 0, 0
+        used = (self.windows["sink"].used_bytes(self.n_sink) + self.windows["recent"].used_bytes(self.n_recent)
+                + self.history.used_bytes(self.n_history) + self.rope.used_bytes(self.length)
+                + (self.center.numel() * 4 if self.n_history else 0))
+        b, h, _, r = self.windows["sink"]["latent"].shape
+        return 8 * used, b * h * self.length * (r + self.rope["rope"].shape[-1])
+
+
+def _reserve_rows(segment: _Segment, used: int, needed: int) -> None:
+    """Grow a growing segment to hold ``needed`` tokens, by at least HISTORY_GROWTH or an eighth of itself."""
+    capacity = segment.capacity
+    if needed > capacity:
+        segment.grow(used, max(needed, capacity + max(HISTORY_GROWTH, capacity // 8)))
+
+
 class StaticOscarLayer(OscarLayer):
     """An OSCAR layer with every buffer at its final size from the first update (``max_cache_len`` tokens), a fixed
     attention-mask size, and its counts in an int32 device tensor: compileable. Where the Triton kernels serve it
@@ -835,6 +1006,11 @@ class _LayerBuilder:
         return self.rotations.key_rotation[i], self.rotations.value_rotation[i]
 
     def full(self, i: int):
+        if self.shape.latent is not None:
+            if self.max_cache_len is not None:
+                raise ValueError("multi-head latent attention layers are stored on the host (the model expands the "
+                                 "whole latent each step): build the cache without max_cache_len")
+            return LatentOscarLayer, (self.config.for_layer(i), self.rotations.key_rotation[i])
         if self.max_cache_len is None:
             return DynamicOscarLayer, (self.config.for_layer(i), *self._rotations(i))
         return StaticOscarLayer, (self.config.for_layer(i), *self._rotations(i), self.max_cache_len)
@@ -983,7 +1159,7 @@ class OscarQuantizedCache(Cache):
         too), read from the tensors."""
         total = 0
         for layer in self.layers:
-            if isinstance(layer, OscarLayer):
+            if isinstance(layer, (OscarLayer, LatentOscarLayer)):
                 total += layer.nbytes
             elif getattr(layer, "is_initialized", False) and getattr(layer, "keys", None) is not None:
                 total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
@@ -996,7 +1172,7 @@ class OscarQuantizedCache(Cache):
         """Bits of stored data over the number of K and V elements stored (0.0 when empty)."""
         bits = elements = 0
         for layer in self.layers:
-            if isinstance(layer, OscarLayer):
+            if isinstance(layer, (OscarLayer, LatentOscarLayer)):
                 b, e = layer.stored_bits_and_elements()
             elif getattr(layer, "is_initialized", False) and getattr(layer, "keys", None) is not None:
                 e = layer.keys.numel() + layer.values.numel()

@@ -87,6 +87,8 @@ class MomentObserver:
         self.sums = {}
         for layer, (h, d) in enumerate(zip(shape.kv_heads, shape.head_dims)):
             sizes = {name: (h, d, d) for name in self.wanted} | {"tokens": ()}
+            if shape.latent is not None:
+                sizes["latent"] = (1, d, d)
             if query_cov is not None:
                 sizes |= {"wvv": (h, d, d), "wsum": (h,)}
             self.sums |= {f"{layer}.{name}": torch.zeros(size, dtype=torch.float64, device=device)
@@ -94,6 +96,14 @@ class MomentObserver:
 
     def _add(self, name: str, value: torch.Tensor) -> None:
         self.sums[name] += value.to(self.sums[name].device)
+
+    def observe_latent(self, layer_idx: int, latent: torch.Tensor, weights: torch.Tensor) -> None:
+        """A multi-head latent attention layer's latent ``[B, 1, T, r]`` and the attention each token receives
+        ``[B, T]``: the latent's attention-weighted second moment ``Σ w c cᵀ`` and ``Σ w``."""
+        if self.query_cov is None:
+            x, w = latent.double(), weights.double().to(latent.device)
+            self._add(f"{layer_idx}.latent", torch.einsum("bt,bhtd,bhte->hde", w, x, x))
+            self.sums[f"{layer_idx}.tokens"] += w.sum().to(self.sums[f"{layer_idx}.tokens"].device)
 
     def observe(self, layer_idx, query, key, value, output, scaling) -> None:
         b, h, t, d = key.shape
@@ -289,7 +299,7 @@ def calibrate(
 
     device = _state().device if _state().num_processes > 1 else model.device
     moments = MomentObserver((k_target, v_target), shape, device)
-    if moments.wanted:
+    if moments.wanted or shape.latent is not None:
         _forward_all(model, moments, chunks, batch_size, "calibrate (pass 1)", show_progress)
     sums = _reduce(moments.sums)
     groups = [shape.num_heads // h for h in shape.kv_heads]  # query heads per KV head, by layer
@@ -297,15 +307,18 @@ def calibrate(
     # queries count towards the layer they read)
     layers = [i for i in range(shape.num_layers) if shape.reads_own_kv(i) and shape.attention(i) is not None]
 
-    if v_target == "sst":
+    if v_target == "sst" and shape.latent is None:
         query_cov = {i: sums[f"{i}.qq"] / (sums[f"{i}.tokens"] * groups[i]) for i in layers}
         weighted = MomentObserver((), shape, device, query_cov=query_cov)
         _forward_all(model, weighted, chunks, batch_size, "calibrate (pass 2)", show_progress)
         sums.update(_reduce(weighted.sums))
 
     def covariances(layer: int, target: str) -> list[torch.Tensor]:
-        """The layer's covariances ``[D, D]`` of ``target``: one per KV head, or their mean."""
-        if target == "sst":
+        """The layer's covariances ``[D, D]`` of ``target``: one per KV head, or their mean. A latent attention
+        layer's are its latent's attention-weighted second moment, whatever the target."""
+        if shape.latent is not None:
+            per_kv_head = sums[f"{layer}.latent"] / sums[f"{layer}.tokens"]
+        elif target == "sst":
             per_kv_head = sums[f"{layer}.wvv"] / sums[f"{layer}.wsum"][:, None, None]
         else:
             group = groups[layer]
@@ -331,7 +344,8 @@ def calibrate(
         return [r.float() for r, _ in out], [v.float() for _, v in out]
 
     key_rotation, key_eigenvalues = rotations_for(k_target)
-    value_rotation, value_eigenvalues = rotations_for(v_target)
+    # a latent attention layer has one rotation, its latent's (in K's place); V's place holds the identity
+    value_rotation, value_eigenvalues = rotations_for("identity" if shape.latent is not None else v_target)
     rotations = OscarRotations(
         key_rotation,
         value_rotation,

@@ -8,6 +8,7 @@ function, ``"oscar_capture"``: its layers hand K/V to it as :class:`CapturedKV`,
 
 from __future__ import annotations
 
+import contextvars
 from typing import Protocol
 
 import torch
@@ -81,6 +82,34 @@ class CaptureLayer(CacheLayerMixin):
         return -1
 
 
+class LatentCaptureLayer(CaptureLayer):
+    """A multi-head latent attention layer's capture: the latent ``[B, 1, T, r]`` (K in ``update``) and the
+    attention each of its tokens receives go to the observer's ``observe_latent`` (where it has one); the latent and
+    the RoPE key go back as tensors, for the model to expand and attend over."""
+
+    QUERY_CHUNK = 256  # query rows per step of the attention weights (bounds their [B, H, chunk, T] memory)
+
+    def update(self, latent, rope, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        self.latent = latent
+        return latent, rope
+
+    def attention_received(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+        """Report the latent with each token's attention weight, summed over the (causal) queries and averaged over
+        heads, ``[B, T]``: the weight of its row in the latent's covariance."""
+        observe = getattr(self.observer, "observe_latent", None)
+        if observe is None:
+            return
+        t = key.shape[2]
+        weights = torch.zeros(key.shape[0], t, device=key.device)
+        for start in range(0, query.shape[2], self.QUERY_CHUNK):
+            q = query[:, :, start:start + self.QUERY_CHUNK].float()
+            rows = torch.arange(start, start + q.shape[2], device=key.device)
+            causal = rows[:, None] >= torch.arange(t, device=key.device)[None, :]
+            logits = (q @ key.float().transpose(2, 3) * scaling).masked_fill(~causal, -torch.inf)
+            weights += logits.softmax(-1).sum(dim=2).mean(dim=1)
+        observe(self.layer_idx, self.latent, weights)
+
+
 class CaptureCache(Cache):
     """The cache of a capture forward: a CaptureLayer per attention layer; transformers' state layer for a
     linear-attention or state-space layer (beside the CaptureLayer where a layer has both)."""
@@ -89,21 +118,31 @@ class CaptureCache(Cache):
         from .cache import _with_state
 
         layers = []
+        attention = LatentCaptureLayer if shape.latent is not None else CaptureLayer
         for i in range(shape.num_layers):
             if not shape.has_state(i):
-                layers.append(CaptureLayer(observer, i))
+                layers.append(attention(observer, i))
             elif shape.attention(i) is None:
                 layers.append(cache_utils.LinearAttentionLayer())
             else:
-                layers.append(_with_state(CaptureLayer)(observer, i))
+                layers.append(_with_state(attention)(observer, i))
         super().__init__(layers=layers)
+
+
+_ACTIVE: contextvars.ContextVar[CaptureCache | None] = contextvars.ContextVar("oscar_capture_cache", default=None)
 
 
 def capture_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                               scaling: float | None = None, **kwargs):
-    """The ``"oscar_capture"`` attention: CapturedKV to the observer and sdpa, plain tensors to sdpa."""
+    """The ``"oscar_capture"`` attention: CapturedKV to the observer and sdpa, plain tensors to sdpa (a latent
+    attention layer's expanded K/V: the attention its tokens receive goes to the observer first)."""
     if isinstance(key, CapturedKV):
         return key.attend(module, query, value, attention_mask, scaling)
+    cache, index = _ACTIVE.get(), getattr(module, "layer_idx", None)
+    if cache is not None and index is not None and isinstance(cache.layers[index], LatentCaptureLayer):
+        layer = cache.layers[index]
+        if query.shape[2] == key.shape[2]:  # the layer's own tokens (see CapturedKV.attend)
+            layer.attention_received(query, key, query.shape[-1] ** -0.5 if scaling is None else scaling)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   **kwargs)
 
@@ -128,7 +167,12 @@ def run_capture(model: torch.nn.Module, observer: Observer, input_ids: torch.Ten
     model.set_attn_implementation(CAPTURE_IMPLEMENTATION)
     try:
         cache = CaptureCache(observer, ModelShape.from_config(model.config))
-        model(input_ids=input_ids.to(model.device), **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+        token = _ACTIVE.set(cache)
+        try:
+            model(input_ids=input_ids.to(model.device), **cache_kwargs(model, cache), use_cache=True,
+                  logits_to_keep=1)
+        finally:
+            _ACTIVE.reset(token)
     finally:
         model.set_attn_implementation(previous)
 

@@ -23,13 +23,7 @@ SUPPORTED_LAYER_TYPES = (*ATTENTION_OF, "linear_attention", "conv", *NO_CACHE)
 # Decoders that route attention through AttentionInterface but touch K/V between the cache update
 # and the attention call, or cache something other than per-head K and V.
 UNSUPPORTED_MODEL_TYPES = {
-    "deepseek_v2": "multi-head latent attention (MLA)",
-    "deepseek_v3": "multi-head latent attention (MLA)",
-    "deepseek_v32": "multi-head latent attention (MLA)",
-    "kimi_linear": "multi-head latent attention (MLA)",
-    "minicpm3": "multi-head latent attention (MLA)",
-    "longcat_flash": "multi-head latent attention (MLA)",
-    "glm4_moe_lite": "multi-head latent attention (MLA)",
+    "deepseek_v32": "DeepSeek Sparse Attention (a lightning indexer with a key cache of its own)",
     "jetmoe": "K/V reshaped after the cache update",
     "diffllama": "K/V reshaped after the cache update",
 }
@@ -54,6 +48,9 @@ class ModelShape:
     # per layer: None, "store" (its K/V are read by later layers too) or "reuse" (it reads another layer's K/V and
     # stores none: transformers' KV sharing, Gemma-3n and Gemma-4)
     kv_sharing: tuple[str | None, ...] | None = None
+    # multi-head latent attention (DeepSeek-V2/V3 and kin): (kv_lora_rank, qk_rope_head_dim): its attention layers
+    # cache a latent of kv_lora_rank channels (head_dims holds it, one "KV head") and the RoPE part of the key
+    latent: tuple[int, int] | None = None
 
     @property
     def head_dim(self) -> int:
@@ -120,6 +117,10 @@ class ModelShape:
                 kind = "full_attention"
             layer_types = [kind] * layers
         sharing = getattr(cfg, "kv_sharing_modes", None)
+        latent = None
+        if getattr(cfg, "kv_lora_rank", None) is not None:
+            latent = (cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+            head_dims, kv_heads = (cfg.kv_lora_rank,) * layers, (1,) * layers
         return cls(
             num_layers=layers,
             num_heads=num_heads,
@@ -129,6 +130,7 @@ class ModelShape:
             sliding_window=sliding_window,
             attention_chunk_size=getattr(cfg, "attention_chunk_size", None),
             kv_sharing=tuple(sharing) if sharing is not None else None,
+            latent=latent,
         )
 
 
@@ -152,14 +154,17 @@ def check_model_supported(model: torch.nn.Module) -> ModelShape:
     modeling = sys.modules.get(type(model).__module__)
     if modeling is not None and not hasattr(modeling, "ALL_ATTENTION_FUNCTIONS"):
         raise UnsupportedModelError(f"{name} does not route attention through transformers' AttentionInterface")
-    if getattr(cfg, "kv_lora_rank", None) is not None or getattr(cfg, "q_lora_rank", None) is not None:
-        raise UnsupportedModelError(f"{name}: multi-head latent attention (MLA) is not supported")
     if getattr(cfg, "num_kv_shared_layers", 0) and getattr(cfg, "kv_sharing_modes", None) is None:
         raise UnsupportedModelError(f"{name}: KV shared across layers without transformers' kv_sharing_modes (the "
                                     "cache cannot tell which layers store K/V)")
     shape = ModelShape.from_config(config)
+    if shape.latent is not None and modeling is not None and not any(
+            hasattr(obj, "expand_kv") for obj in vars(modeling).values() if isinstance(obj, type)):
+        raise UnsupportedModelError(f"{name}: multi-head latent attention whose modeling code caches expanded K/V "
+                                    f"(transformers {transformers.__version__}); the cache needs the latent, which "
+                                    "transformers 5.24 and later cache")
     v_head_dim = getattr(cfg, "v_head_dim", None)
-    if v_head_dim is not None and {v_head_dim} != set(shape.head_dims):
+    if shape.latent is None and v_head_dim is not None and {v_head_dim} != set(shape.head_dims):
         raise UnsupportedModelError(f"{name}: value head_dim {v_head_dim} differs from key head_dim "
                                     f"{sorted(set(shape.head_dims))}")
     unknown = sorted(set(shape.layer_types) - set(SUPPORTED_LAYER_TYPES))

@@ -155,6 +155,10 @@ LINEAR = dict(linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_
               linear_conv_kernel_dim=4)
 MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=16)
 
+MLA_TINY = {**{k: v for k, v in FAMILY_TINY.items() if k != "head_dim"}, "num_key_value_heads": 2}
+MLA = dict(kv_lora_rank=32, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+MLA_MOE = dict(n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32)
+
 # name -> (config class, config fields)
 FAMILIES = {
     "gemma2-softcap": ("Gemma2Config", dict(FAMILY_TINY, num_hidden_layers=3, attn_logit_softcapping=5.0,
@@ -194,6 +198,20 @@ FAMILIES = {
                                            layers_block_type=["mamba", "hybrid"] * 2, mamba_d_state=8,
                                            mamba_headdim=16, mamba_ngroups=1, n_mamba_heads=8, chunk_size=16,
                                            num_mem_blocks=1, use_shared_attention_adapter=False, adapter_rank=8)),
+    # multi-head latent attention: the cache holds the latent and the RoPE key
+    "deepseek-v3-mla": ("DeepseekV3Config", dict(MLA_TINY, num_hidden_layers=2, first_k_dense_replace=1, **MLA_MOE,
+                                                 **MLA)),
+    "deepseek-v2-mla": ("DeepseekV2Config", dict(MLA_TINY, num_hidden_layers=2, first_k_dense_replace=1, **MLA_MOE,
+                                                 **MLA)),
+    "glm-4-moe-lite-mla": ("Glm4MoeLiteConfig", dict(MLA_TINY, num_hidden_layers=2, first_k_dense_replace=1,
+                                                     **MLA_MOE, **MLA)),
+    "minicpm3-mla": ("MiniCPM3Config", dict(MLA_TINY, num_hidden_layers=2, **MLA)),
+    "longcat-flash-mla": ("LongcatFlashConfig", dict(MLA_TINY, num_layers=2, n_routed_experts=4, head_dim=8, **MLA)),
+    "kimi-linear-mla-hybrid": ("KimiLinearConfig", dict(MLA_TINY, num_hidden_layers=2, linear_num_heads=2,
+                                                        linear_head_dim=16, layer_types=["linear_attention",
+                                                                                         "full_attention"],
+                                                        num_experts=4, num_experts_per_token=2,
+                                                        moe_intermediate_size=32, n_group=1, topk_group=1, **MLA)),
 }
 
 

@@ -12,7 +12,7 @@ from helpers import FAMILIES, FAMILY_TINY, VOCAB, quick_calibrate
 from helpers import build_family as build
 
 from oscar_hf import OscarQuantizedCache, OscarRotations, cache_kwargs, check_model_supported
-from oscar_hf.cache import OscarLayer
+from oscar_hf.cache import LatentOscarLayer, OscarLayer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -43,7 +43,10 @@ def generate(model, cache=None, sample: bool = False, length: int = 30, **settin
 def test_lossless_with_covering_windows(family, dtype, mode):
     """Nothing quantized (the windows hold every token): the default cache's tokens and logits."""
     model = build(family, dtype)
-    check_model_supported(model)
+    if mode == "static" and check_model_supported(model).latent is not None:
+        with pytest.raises(ValueError, match="latent attention layers are stored on the host"):
+            OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model, max_cache_len=64)
+        return
     expected = generate(model, sample=mode == "sample")
     cache = OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model,
                                                 max_cache_len=64 if mode == "static" else None)
@@ -66,16 +69,17 @@ def test_lossless_with_covering_windows(family, dtype, mode):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_quantized_run(family):
     """Calibrated, most of a 96-token prompt in INT2: every OSCAR layer holds a history, and stores under 12 bits per
-    element (about 3.5 in the history, 32 in the windows) against the model's 32."""
+    element (about 3.5 in the history, 32 in the windows; 16 for a latent layer) against the model's 32."""
     model = build(family)
     rotations = quick_calibrate(model, torch.randint(3, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0)))
     cache = OscarQuantizedCache.from_pretrained(rotations, model=model, sink_tokens=4, recent_tokens=8)
     tokens, logits = generate(model, cache, length=96)
-    oscar = [layer for layer in cache.layers if isinstance(layer, OscarLayer)]
+    oscar = [layer for layer in cache.layers if isinstance(layer, (OscarLayer, LatentOscarLayer))]
     assert oscar and all(layer.n_history > 0 for layer in oscar)
     bits = sum(layer.stored_bits_and_elements()[0] for layer in oscar)
     elements = sum(layer.stored_bits_and_elements()[1] for layer in oscar)
-    assert bits / elements < 12 and cache.bits_per_element < 32
+    # a latent layer keeps its RoPE key (a fifth of its elements here) in fp32
+    assert bits / elements < (16 if check_model_supported(model).latent else 12) and cache.bits_per_element < 32
     assert logits.isfinite().all() and tokens.shape == (2, 104)
 
 
@@ -232,7 +236,7 @@ def test_sliding_recent_tokens_sets_only_the_sliding_layers_window():
 
 
 # ------------------------------------------------------------------------------------------------------ hybrids
-@pytest.mark.parametrize("family", ["qwen3.5-hybrid", "falcon-h1-hybrid"])
+@pytest.mark.parametrize("family", ["qwen3.5-hybrid", "falcon-h1-hybrid", "deepseek-v3-mla"])
 def test_hybrid_beam_search_reorders_states_and_oscar_layers_alike(family):
     """Beam search over a left-padded batch: the linear-attention / Mamba states and the OSCAR layers are reordered
     together, so that the beams are the default cache's."""
@@ -254,3 +258,73 @@ def test_hybrid_calibration_rotates_only_the_attention_layers():
     eye = torch.eye(32)
     assert [torch.equal(r, eye) for r in rotations.key_rotation] == [True, True, True, False]
     assert not torch.equal(rotations.value_rotation[3], eye)
+
+
+# --------------------------------------------------------------------------------- multi-head latent attention
+def test_latent_bytes_at_deepseek_v3s_shape():
+    """DeepSeek-V3's latent (512 channels, RoPE key 64, bf16, groups of 128): a history token takes 128 bytes of
+    codes, 16 of scales and zeros and 128 of RoPE key, 272 against 1,152 in bf16 (4.24x)."""
+    from oscar_hf import OscarConfig
+
+    layer = LatentOscarLayer(OscarConfig(group_size=128, sink_tokens=0, recent_tokens=0, flush_tokens=1),
+                             torch.linalg.qr(torch.randn(512, 512, generator=torch.Generator().manual_seed(0))).Q)
+    latent, rope = torch.randn(2, 1, 1, 1000, 576, dtype=torch.bfloat16).split([512, 64], dim=-1)
+    layer.update(latent[0], rope[0])
+    bits, elements = layer.stored_bits_and_elements()
+    assert layer.n_history == 1000 and elements == 1000 * 576
+    assert bits - 8 * 4 * 512 == 1000 * 272 * 8  # (the fp32 latent mean is one vector per sequence)
+
+
+def test_latent_layer_returns_the_dequantized_latent_in_the_models_basis():
+    """Calibrated rotation, INT2 history: what update returns is the stored latent rotated back, close to the input
+    (the windows exact), and the RoPE key exact."""
+    from oscar_hf import OscarConfig
+    from oscar_hf.quantizer import dequantize, quantize
+
+    rotation = torch.linalg.qr(torch.randn(64, 64, generator=torch.Generator().manual_seed(0))).Q
+    layer = LatentOscarLayer(OscarConfig(sink_tokens=2, recent_tokens=4, flush_tokens=2, k_clip=1.0), rotation)
+    latent = torch.randn(1, 1, 40, 64, generator=torch.Generator().manual_seed(1))
+    rope = torch.randn(1, 1, 40, 8, generator=torch.Generator().manual_seed(2))
+    got_latent, got_rope = layer.update(latent, rope)
+    assert torch.equal(got_rope, rope) and torch.equal(got_latent[:, :, :2], latent[:, :, :2])
+    assert torch.equal(got_latent[:, :, -layer.n_recent:], latent[:, :, -layer.n_recent:])
+    history = slice(2, 2 + layer.n_history)
+    rows = latent[:, :, history] @ rotation
+    mean = rows.mean(dim=2, keepdim=True)
+    want = (dequantize(quantize(rows - mean, bits=2, clip=1.0), 2) + mean) @ rotation.mT
+    torch.testing.assert_close(got_latent[:, :, history], want, rtol=0, atol=1e-5)
+    assert (got_latent[:, :, history] - latent[:, :, history]).norm() < 0.5 * latent[:, :, history].norm()
+    layer.crop(-3)
+    assert layer.get_seq_length() == 37
+
+
+def test_mla_calibration_rotates_the_latent():
+    model = build("deepseek-v3-mla")
+    rotations = quick_calibrate(model, torch.randint(3, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0)))
+    assert rotations.head_dims == (32, 32) and rotations.kv_heads == (1, 1)
+    assert not torch.equal(rotations.key_rotation[0], torch.eye(32))
+    assert torch.equal(rotations.value_rotation[0], torch.eye(32))
+    assert (rotations.key_eigenvalues[0] > 0).all()  # the latent's attention-weighted second moment
+
+
+def test_mla_capture_reports_the_attention_each_latent_token_receives():
+    """Each query's attention sums to 1 over the tokens it sees, so a T-token chunk's weights sum to T per sequence;
+    the first token, which every query sees, receives the most under random weights' near-uniform attention."""
+    from oscar_hf.capture import run_capture
+
+    class Recorder:
+        def __init__(self):
+            self.seen = []
+
+        def observe(self, *args):
+            raise AssertionError("a latent attention layer's K/V reach the observer as its latent")
+
+        def observe_latent(self, layer_idx, latent, weights):
+            self.seen.append((layer_idx, latent.shape, weights))
+
+    model, recorder = build("deepseek-v3-mla"), Recorder()
+    run_capture(model, recorder, torch.randint(3, VOCAB, (2, 20), generator=torch.Generator().manual_seed(0)))
+    assert [(i, tuple(shape)) for i, shape, _ in recorder.seen] == [(0, (2, 1, 20, 32)), (1, (2, 1, 20, 32))]
+    for _, _, weights in recorder.seen:
+        torch.testing.assert_close(weights.sum(-1), torch.full((2,), 20.0))
+        assert (weights.argmax(-1) == 0).all()

@@ -5,7 +5,7 @@ import warnings
 import pytest
 import torch
 import transformers
-from helpers import VOCAB, make_model
+from helpers import MLA, MLA_MOE, MLA_TINY, VOCAB, make_model
 
 from oscar_hf import OscarQuantizedCache, OscarRotations, UnsupportedModelError, cache_kwargs, check_model_supported
 
@@ -26,20 +26,10 @@ def tiny(config_name: str, **fields):
 
 
 REFUSED = {
-    "mla-deepseek-v3": (
-        lambda: tiny(
-            "DeepseekV3Config",
-            kv_lora_rank=16,
-            q_lora_rank=16,
-            qk_rope_head_dim=16,
-            qk_nope_head_dim=16,
-            v_head_dim=32,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            first_k_dense_replace=2,
-        ),
-        "latent attention",
+    "sparse-attention-deepseek-v3.2": (
+        lambda: transformers.AutoModelForCausalLM.from_config(transformers.DeepseekV32Config(
+            **MLA_TINY, num_hidden_layers=2, first_k_dense_replace=1, **MLA_MOE, **MLA)),
+        "DeepSeek Sparse Attention",
     ),
     "all-chunked": (lambda: tiny("Llama4TextConfig", intermediate_size_mlp=64, attention_chunk_size=8,
                                  num_local_experts=2, no_rope_layers=[1, 1]), "nothing to quantize"),

@@ -675,7 +675,7 @@ def static_and_host_layers(dim, *, max_len=120, heads=None, **config):
      (30, dict(sink_tokens=0, recent_tokens=6, flush_tokens=1, group_size=32, tokens=55)),
      (20, dict(sink_tokens=2, recent_tokens=6, flush_tokens=2, key_bits=4, centering=False, tokens=50)),
      (20, dict(sink_tokens=2, recent_tokens=6, flush_tokens=2, centering=False, dtype=torch.float16, tokens=50)),
-     (8, dict(sink_tokens=2, recent_tokens=3, flush_tokens=1, centering=False, dim=512, tokens=16)),
+     (8, dict(sink_tokens=2, recent_tokens=3, flush_tokens=1, centering=False, dim=512, tokens=12)),
      (20, dict(sink_tokens=2, recent_tokens=6, flush_tokens=2, centering=False, heads=3, tokens=40))],
     ids=["sink-first", "uncentered-unclipped", "no-sink-flush-1", "4-bit-keys", "fp16", "D512", "per-head"],
 )
