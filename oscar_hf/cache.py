@@ -635,6 +635,7 @@ class LatentOscarLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
     is_croppable = True
+    counts_on_device = False
 
     def __init__(self, config: OscarConfig, rotation: torch.Tensor):
         super().__init__()
@@ -643,8 +644,9 @@ class LatentOscarLayer(CacheLayerMixin):
         self.rotates = not _is_identity(rotation)
         self.counts = [0, 0, 0]  # sink, history, recent
 
-    n_sink, n_history, n_recent = (property(lambda self, i=i: self.counts[i],
-                                            lambda self, v, i=i: self.counts.__setitem__(i, v)) for i in range(3))
+    n_sink = _count(0, "tokens in the sink")
+    n_history = _count(1, "tokens in the quantized history")
+    n_recent = _count(2, "tokens in the recent window")
 
     @property
     def length(self) -> int:
