@@ -153,7 +153,30 @@ MODELS = {  # name: (transformers config class, its fields)
                                         rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
                                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                          "original_max_position_embeddings": 8192})),
+    # Qwen3-Next-80B-A3B's attention and Gated DeltaNet layers (3 of every 4 linear), with 64 experts of its 512 so
+    # that the random weights fit one GPU: the cache's shapes are the model's
+    "qwen3-next-80b-a3b-e64": ("Qwen3NextConfig", dict(
+        hidden_size=2048, num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, num_experts=64, num_experts_per_tok=10, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, intermediate_size=5120, vocab_size=151936,
+        max_position_embeddings=262144)),
+    # DeepSeek-V2-Lite: multi-head latent attention (latent 512, RoPE key 64)
+    "deepseek-v2-lite": ("DeepseekV2Config", dict(
+        hidden_size=2048, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512,
+        q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, intermediate_size=10944,
+        moe_intermediate_size=1408, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+        first_k_dense_replace=1, n_group=1, topk_group=1, vocab_size=102400, max_position_embeddings=262144)),
     "qwen3-tiny": ("Qwen3Config", _TINY),
+    "qwen3-next-tiny": ("Qwen3NextConfig", dict(_TINY, num_hidden_layers=4, linear_num_key_heads=2,
+                                                linear_num_value_heads=4, linear_key_head_dim=32,
+                                                linear_value_head_dim=32, num_experts=4, num_experts_per_tok=2,
+                                                moe_intermediate_size=64, shared_expert_intermediate_size=64)),
+    "deepseek-v2-tiny": ("DeepseekV2Config", dict({k: v for k, v in _TINY.items() if k != "head_dim"},
+                                                  num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=None,
+                                                  qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+                                                  moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,
+                                                  first_k_dense_replace=1, n_group=1, topk_group=1)),
     "llama-tiny": ("LlamaConfig", _TINY),
 }
 
@@ -294,7 +317,7 @@ class BenchMethod:
             return self.method.config["bits"]
         if not self.method.is_oscar:
             return 16
-        return self.method.oscar_config(None, shape.head_dim).bits_per_element(shape.head_dim, tokens)
+        return self.method.oscar_config(None, min(shape.head_dims)).bits_per_element(min(shape.head_dims), tokens)
 
 
 DEFAULT_METHODS = ("oscar", "oscar+compiled", "oscar+absorbed+compiled", "oscar-k4+compiled", "bf16", "bf16+compiled",
@@ -647,20 +670,45 @@ def check_length(cache, expected: int) -> None:
         raise RuntimeError(f"the cache holds {length} tokens, expected {expected}")
 
 
+def kv_shapes(shape: ModelShape, layer: int) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """(heads, channels) of what ``layer`` hands ``cache.update`` as K and as V: its K/V, a latent attention layer's
+    latent and RoPE key; None where it caches none (linear attention, state-space, KV-sharing or MLP layers)."""
+    if not shape.reads_own_kv(layer) or shape.attention(layer) is None:
+        return None
+    if shape.latent is not None:
+        return (1, shape.latent[0]), (1, shape.latent[1])
+    return ((shape.kv_heads[layer], shape.head_dims[layer]),) * 2
+
+
+def kv_elements(shape: ModelShape, layer: int) -> int:
+    """K/V elements ``layer`` caches per token and sequence."""
+    shapes = kv_shapes(shape, layer)
+    return 0 if shapes is None else sum(h * d for h, d in shapes)
+
+
 @torch.no_grad()
 def fill_cache(cache, shape: ModelShape, batch: int, tokens: int, chunk_bytes: int | None,
                devices: list[torch.device]):
-    """Write ``tokens`` tokens of random bf16 K/V into every layer (on ``devices[layer]``) through ``cache.update``,
-    chunk by chunk with all layers per chunk, as a chunked prefill would (``chunk_bytes`` None: one chunk). One random
-    chunk per device is reused: values do not change timings."""
-    per_token = batch * shape.num_kv_heads * shape.head_dim * 2 * 2
+    """Write ``tokens`` tokens of random bf16 K/V into every layer that caches K/V (on ``devices[layer]``) through
+    ``cache.update``, chunk by chunk with all layers per chunk, as a chunked prefill would (``chunk_bytes`` None: one
+    chunk). One random chunk per device and shape is reused: values do not change timings. (Linear-attention and
+    state-space layers start their states at the first generated token.)"""
+    per_token = batch * 2 * max(kv_elements(shape, layer) for layer in range(shape.num_layers))
     chunk = tokens if chunk_bytes is None else max(1, min(tokens, chunk_bytes // per_token))
-    kv = {d: torch.randn(2, batch, shape.num_kv_heads, chunk, shape.head_dim, dtype=torch.bfloat16, device=d)
-          for d in set(devices)}
+    random = {}
+
+    def states(layer: int, side: int) -> torch.Tensor:
+        heads, dim = kv_shapes(shape, layer)[side]
+        key = (devices[layer], side, heads, dim)
+        if key not in random:
+            random[key] = torch.randn(batch, heads, chunk, dim, dtype=torch.bfloat16, device=devices[layer])
+        return random[key]
+
     for start in range(0, tokens, chunk):
         n = min(chunk, tokens - start)
         for layer in range(shape.num_layers):
-            cache.update(kv[devices[layer]][0, :, :, :n], kv[devices[layer]][1, :, :, :n], layer)
+            if kv_shapes(shape, layer) is not None:
+                cache.update(states(layer, 0)[:, :, :n], states(layer, 1)[:, :, :n], layer)
 
 
 def random_ids(model: torch.nn.Module, batch: int, tokens: int) -> torch.Tensor:
@@ -788,7 +836,7 @@ def decode_case(model: torch.nn.Module, method: BenchMethod, length: int, batch:
         return {"status": "skipped: time budget"}
     if model.device.type == "cuda":
         shape = ModelShape.from_config(model.config)
-        elements = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * length * batch
+        elements = sum(kv_elements(shape, layer) for layer in range(shape.num_layers)) * length * batch
         needed, free = method.bits(shape, length) * elements / 8 / GIB, free_gib(model)
         if needed > free:
             return {"status": f"oom (the cache needs {needed:.1f} GiB, {free:.1f} GiB free)"}

@@ -984,7 +984,8 @@ def _with_state(attention_layer: type) -> type:
 class _LayerBuilder:
     """The cache layer of each model layer, by what it caches (:meth:`ModelShape.attention`): OSCAR layers for full
     attention (and sliding-window attention with ``quantize_sliding``), transformers' own layers for the rest, a
-    linear-attention state beside them where the layer keeps one, and nothing where it caches nothing."""
+    linear-attention state beside them where the layer keeps one, and nothing where it caches nothing. Each entry
+    of ATTENTION gives a layer's attention part as (layer class or None, its arguments)."""
 
     def __init__(self, config, rotations, shape, max_cache_len, quantize_sliding, text_config):
         self.config, self.rotations, self.shape = config, rotations, shape

@@ -265,5 +265,6 @@ def make_cache(method: str | Method, model, calibrated: OscarRotations | None = 
         rotations = getattr(OscarRotations, method.rotations)(model.config)
     base = calibrated.config if calibrated is not None else None
     diagnostics = calibrated.diagnostics if calibrated is not None else None
-    config = method.oscar_config(base, rotations.head_dim, diagnostics).replace(**overrides)
+    # (a group the smallest head_dim holds fits every layer's: head_dims are powers of two)
+    config = method.oscar_config(base, min(rotations.head_dims), diagnostics).replace(**overrides)
     return OscarQuantizedCache.from_pretrained(rotations, model=model, config=config, max_cache_len=max_cache_len)
