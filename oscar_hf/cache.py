@@ -184,7 +184,25 @@ def _count(index: int, doc: str) -> property:
     return property(get, set, doc=doc)
 
 
-class OscarLayer(CacheLayerMixin):
+class _GrowingLayer(CacheLayerMixin):
+    """What OSCAR's layers share with a plain growing cache layer: a mask over every token held, no maximum length,
+    no offloading."""
+
+    length: int
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def offload(self):
+        raise NotImplementedError("OscarQuantizedCache does not support offloading")
+
+    prefetch = offload
+
+
+class OscarLayer(_GrowingLayer):
     """One full-attention layer's OSCAR storage (see the module docstring), with the host-side updates and reads that
     both allocation modes share. Use :class:`DynamicOscarLayer` or :class:`StaticOscarLayer`."""
 
@@ -426,12 +444,6 @@ class OscarLayer(CacheLayerMixin):
         self.check_flags()
         return self.length
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
     def _segments(self) -> tuple[_Segment, ...]:
         return (self.sink, self.history, self.recent, self.center) if self.is_initialized else ()
 
@@ -500,11 +512,6 @@ class OscarLayer(CacheLayerMixin):
         self._packed = None
         for segment in self._segments():
             segment.map(lambda t: t[indices])
-
-    def offload(self):
-        raise NotImplementedError("OscarQuantizedCache does not support offloading")
-
-    prefetch = offload
 
     # ---------------------------------------------------------------------------- accounting
     @property
@@ -624,7 +631,7 @@ class SlidingOscarLayer(DynamicOscarLayer):
         super().crop(tokens_to_remove)
 
 
-class LatentOscarLayer(CacheLayerMixin):
+class LatentOscarLayer(_GrowingLayer):
     """A multi-head latent attention (MLA) layer's storage: the compressed latent ``[B, 1, T, r]`` (what DeepSeek-V3
     and its kin hand to ``update`` as K) as ``sink ‖ history ‖ recent``, the history rotated (``c @ R``), centered
     and quantized per token like an OSCAR layer's K; the RoPE part of the key ``[B, 1, T, rope]`` (handed as V) kept
@@ -727,12 +734,6 @@ class LatentOscarLayer(CacheLayerMixin):
     def get_seq_length(self) -> int:
         return self.length
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
     def _segments(self) -> tuple[_Segment, ...]:
         return (*self.windows.values(), self.history, self.rope) if self.is_initialized else ()
 
@@ -765,11 +766,6 @@ class LatentOscarLayer(CacheLayerMixin):
             segment.map(lambda t: t[indices])
         if self.is_initialized:
             self.center = self.center[indices]
-
-    def offload(self):
-        raise NotImplementedError("OscarQuantizedCache does not support offloading")
-
-    prefetch = offload
 
     @property
     def nbytes(self) -> int:
