@@ -1,6 +1,7 @@
 """What storing the sliding-window layers in INT2 saves (``OscarConfig.quantize_sliding``), on Gemma-3-270M.
 
     PYTHONPATH=. python eval/sliding_saving.py [--lengths 4096,32768] [--check-length 4096] [--out DIR]
+    PYTHONPATH=. python eval/sliding_saving.py --quality [--segments 4] [--out DIR]
 
 For each length, the bytes the cache holds (``nbytes``: every tensor, capacity included) and the bits per stored
 K/V element after a prefill of that many tokens and 16 decode steps, for four caches: the default (transformers'
@@ -10,6 +11,12 @@ written are random (the bytes do not depend on them) and go straight into the ca
 attention hands them over: a prefill in chunks of 2,048 tokens, then one token per step. At ``--check-length`` the
 model itself runs the same prefill and steps on text, and its caches' bytes must be the same (else the script
 exits). Writes ``sliding_saving.csv`` in ``--out``.
+
+``--quality``: what it costs instead. WikiText-2's test text from one third in, ``--segments`` segments of a
+2,048-token context then 64 tokens scored one at a time (``oscar_hf.evaluation.evaluate_perplexity``), fp32, with
+the model's rotations made on demand (its recipe, 2,048 calibration tokens): perplexity, KL to the default cache and
+top-1 agreement for the default cache, the ``oscar`` preset, and that preset with ``quantize_sliding`` (and a
+64-token sliding recent window). Writes ``sliding_quality.csv``.
 """
 
 from __future__ import annotations
@@ -82,7 +89,41 @@ def real(model, tokenizer, cache, length: int) -> None:
         token = model(input_ids=token, **cache_kwargs(model, cache), use_cache=True).logits[:, -1:].argmax(-1)
 
 
+def quality(out: Path) -> None:
+    import dataclasses
+
+    from oscar_hf.autocalibrate import rotations_for_model
+    from oscar_hf.evaluation import METHODS
+    from oscar_hf.evaluation.perplexity import evaluate_perplexity
+
+    model, tokenizer = load_gemma3_270m(torch.float32)
+    rotations = rotations_for_model(model.eval(), tokenizer, None)
+    oscar = METHODS["oscar"]
+    variants = {"oscar-sliding": {"quantize_sliding": True},
+                "oscar-sliding-recent64": {"quantize_sliding": True, "sliding_recent_tokens": 64}}
+    for name, fields in variants.items():  # the oscar preset with the sliding layers quantized (this run only)
+        METHODS[name] = dataclasses.replace(oscar, name=name, config={**oscar.config, **fields})
+    ids = tokenizer(Path(ARGS.text).read_text(), return_tensors="pt").input_ids[0]
+    start, length = len(ids) // 3, 2048 + 64
+    segments = torch.stack([torch.cat([torch.tensor([tokenizer.bos_token_id]),
+                                       ids[start + i * length: start + (i + 1) * length - 1]])
+                            for i in range(ARGS.segments)])
+    rows = evaluate_perplexity(model, segments, [2048], ["bf16", "oscar", *variants], calibrated=rotations)
+    env = environment("cpu")
+    rows = [{"model": "gemma-3-270m", **row, **env} for row in rows]
+    for row in rows:
+        print(f"{row['method']:<24} {row['metric']:<15} {row['value']:8.4f}  {row['bits_per_element']:6.2f} bits")
+    with open(out / "sliding_quality.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {out / 'sliding_quality.csv'}")
+
+
 def main() -> None:
+    if ARGS.quality:
+        Path(ARGS.out).mkdir(parents=True, exist_ok=True)
+        return quality(Path(ARGS.out))
     model, tokenizer = load_gemma3_270m(torch.bfloat16)
     enable(model.eval())  # the "oscar" attention: the OSCAR caches need it (the default cache's K/V go to sdpa)
     shape = ModelShape.from_config(model.config)
@@ -126,6 +167,8 @@ if __name__ == "__main__":
     parser.add_argument("--check-length", type=int, default=4096,
                         help="also run the model itself at this length and check the bytes (0: no)")
     parser.add_argument("--text", default="../shared/data/wikitext-2-raw/wiki.test.raw", help="text for the check")
-    parser.add_argument("--out", default="eval/results/sliding", help="folder for sliding_saving.csv")
+    parser.add_argument("--out", default="eval/results/sliding", help="folder for the CSV")
+    parser.add_argument("--quality", action="store_true", help="measure perplexity and KL instead of bytes")
+    parser.add_argument("--segments", type=int, default=4, help="text segments for --quality")
     ARGS = parser.parse_args()
     main()
