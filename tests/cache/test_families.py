@@ -328,3 +328,30 @@ def test_mla_capture_reports_the_attention_each_latent_token_receives():
     for _, _, weights in recorder.seen:
         torch.testing.assert_close(weights.sum(-1), torch.full((2,), 20.0))
         assert (weights.argmax(-1) == 0).all()
+
+
+def _interleaved(config_name: str, **fields):
+    def make():
+        torch.manual_seed(0)
+        config = getattr(transformers, config_name)(**{**FAMILY_TINY, "num_hidden_layers": 2, "sliding_window": 8,
+                                                       "layer_types": ["sliding_attention", "full_attention"],
+                                                       **fields})
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        model.generation_config.eos_token_id = None
+        return model
+    return make
+
+
+@pytest.mark.parametrize("make", [lambda: build("gpt-oss-sinks"), lambda: build("gemma4-per-layer-geometry"),
+                                  _interleaved("Gemma3TextConfig"), _interleaved("Cohere2Config")],
+                         ids=["gpt-oss", "gemma4", "gemma3", "cohere2"])
+def test_quantize_sliding_is_lossless_in_bf16_while_the_windows_move(make):
+    """Interleaved sliding and full layers, the sliding ones OSCAR layers too (window 8, 100 + 20 tokens): with
+    nothing quantized, bf16 tokens and logits are the default cache's, bit for bit, as the windows drop tokens."""
+    model = make().to(torch.bfloat16)
+    expected = generate(model, length=100, max_new_tokens=20)
+    cache = OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model,
+                                                quantize_sliding=True)
+    got = generate(model, cache, length=100, max_new_tokens=20)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert type(cache.layers[0]).__name__ == "SlidingOscarLayer" and cache.layers[0].dropped > 0
