@@ -164,6 +164,19 @@ class _Segment:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
+def _aligned(tokens: int) -> int:
+    """``tokens`` rounded up to a multiple of HISTORY_ALIGN."""
+    return -(-tokens // HISTORY_ALIGN) * HISTORY_ALIGN
+
+
+def _grow_history(segment: _Segment, used: int, needed: int) -> None:
+    """Grow a growing history (or a latent layer's RoPE key rows) so that it holds ``needed`` tokens: by at least
+    HISTORY_GROWTH tokens or an eighth of itself, to a multiple of HISTORY_ALIGN."""
+    capacity = segment.capacity
+    if needed > capacity:
+        segment.grow(used, _aligned(max(needed, capacity + max(HISTORY_GROWTH, capacity // 8))))
+
+
 def _grow_window(segment: _Segment, used: int, needed: int, limit: int) -> None:
     """Grow a window segment (doubling, at most to ``limit`` tokens) so that it holds ``needed`` tokens."""
     if needed > segment.capacity:
@@ -200,6 +213,27 @@ class _GrowingLayer(CacheLayerMixin):
         raise NotImplementedError("OscarQuantizedCache does not support offloading")
 
     prefetch = offload
+
+    def _segments(self) -> tuple[_Segment, ...]:
+        """Every segment of the layer's storage (none before its first update)."""
+        return ()
+
+    def _before_reindexing(self) -> None:
+        """Settle what the batch rows' reordering must not leave half done."""
+
+    def _reindex(self, fn) -> None:
+        self._before_reindexing()
+        for segment in self._segments():
+            segment.map(fn)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._reindex(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._reindex(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._reindex(lambda t: t[indices])
 
 
 class OscarLayer(_GrowingLayer):
@@ -492,26 +526,12 @@ class OscarLayer(_GrowingLayer):
         self.recent.write(0, survivors)
         self.n_history, self.n_recent = start, cut
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+    def _before_reindexing(self) -> None:
+        """Store a pending graph step's token; forget the last update (a crop can no longer undo it) and the
+        PackedKV (its tensors are replaced)."""
         self.store_pending()
         self._last_update = None
         self._packed = None
-        for segment in self._segments():
-            segment.map(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self.store_pending()
-        self._last_update = None
-        self._packed = None
-        for segment in self._segments():
-            segment.map(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.store_pending()
-        self._last_update = None
-        self._packed = None
-        for segment in self._segments():
-            segment.map(lambda t: t[indices])
 
     # ---------------------------------------------------------------------------- accounting
     @property
@@ -543,10 +563,7 @@ class DynamicOscarLayer(OscarLayer):
         _grow_window(segment, used, needed, limit)
 
     def _reserve_history(self, needed: int) -> None:
-        capacity = self.history.capacity
-        if needed > capacity:
-            grown = max(needed, capacity + max(HISTORY_GROWTH, capacity // 8))
-            self.history.grow(self.n_history, -(-grown // HISTORY_ALIGN) * HISTORY_ALIGN)
+        _grow_history(self.history, self.n_history, needed)
 
 
 class SlidingOscarLayer(DynamicOscarLayer):
@@ -600,7 +617,7 @@ class SlidingOscarLayer(DynamicOscarLayer):
     def _history_limit(self) -> int:
         """History tokens a layer holds at most between prompts: about a window, the dropping step and a demotion."""
         step = max(self.EVICTION_STEP, self.config.demotion_unit, self.config.sink_tokens)
-        return -(-(self.sliding_window + step + self.config.demotion_unit) // HISTORY_ALIGN) * HISTORY_ALIGN
+        return _aligned(self.sliding_window + step + self.config.demotion_unit)
 
     def _reserve_history(self, needed: int) -> None:
         if needed <= self._history_limit() and self.history.capacity < needed:
@@ -676,7 +693,7 @@ class LatentOscarLayer(_GrowingLayer):
         self.history = _Segment({"codes": empty(dim * bits // 8, dtype=torch.uint8),
                                  "scale": empty(groups, dtype=cfg.torch_scale_dtype),
                                  "zero": empty(groups, dtype=cfg.torch_scale_dtype)})
-        self.center = torch.zeros(batch, heads, 1, dim, device=self.device)
+        self.center = _Segment({"latent": torch.zeros(batch, heads, 1, dim, device=self.device)})
         self.rope = _Segment({"rope": empty(rope.shape[-1], dtype=rope.dtype)})
         self.is_initialized = True
 
@@ -685,7 +702,7 @@ class LatentOscarLayer(_GrowingLayer):
         if not self.is_initialized:
             self.lazy_initialization(latent, rope)
         total = self.length + latent.shape[2]
-        _reserve_rows(self.rope, self.length, total)
+        _grow_history(self.rope, self.length, total)
         self.rope.write(self.length, {"rope": rope})
         self._append(latent)
         return self.materialize(), self.rope["rope"][:, :, :total]
@@ -710,11 +727,12 @@ class LatentOscarLayer(_GrowingLayer):
     def _quantize_into_history(self, rows: torch.Tensor) -> None:
         cfg = self.config
         rows = rows.float() @ self.rotation if self.rotates else rows.float()
+        center = self.center["latent"]
         if not self.n_history and cfg.centering:
-            self.center.copy_(rows.mean(dim=2, keepdim=True))
-        quantized = quantize(rows - self.center, bits=cfg.side_bits["key"], group_size=self.group_size,
+            center.copy_(rows.mean(dim=2, keepdim=True))
+        quantized = quantize(rows - center, bits=cfg.side_bits["key"], group_size=self.group_size,
                              clip=cfg.k_clip, scale_dtype=cfg.torch_scale_dtype, method=cfg.quantizer)
-        _reserve_rows(self.history, self.n_history, self.n_history + rows.shape[2])
+        _grow_history(self.history, self.n_history, self.n_history + rows.shape[2])
         self.history.write(self.n_history, quantized._asdict())
         self.n_history += rows.shape[2]
 
@@ -723,7 +741,7 @@ class LatentOscarLayer(_GrowingLayer):
         centered back and rotated back (fp32 sums, rounded once)."""
         history = self.history.read(self.n_history)
         rows = dequantize(QuantizedRows(history["codes"], history["scale"], history["zero"]),
-                          self.config.side_bits["key"]) + self.center
+                          self.config.side_bits["key"]) + self.center["latent"]
         if self.rotates:
             rows = rows @ self.rotation.mT
         parts = (self.windows["sink"]["latent"][:, :, :self.n_sink], rows.to(self.dtype),
@@ -735,7 +753,7 @@ class LatentOscarLayer(_GrowingLayer):
         return self.length
 
     def _segments(self) -> tuple[_Segment, ...]:
-        return (*self.windows.values(), self.history, self.rope) if self.is_initialized else ()
+        return (*self.windows.values(), self.history, self.rope, self.center) if self.is_initialized else ()
 
     def reset(self) -> None:
         self.counts = [0, 0, 0]
@@ -749,31 +767,13 @@ class LatentOscarLayer(_GrowingLayer):
             self.counts[i] -= taken
             remove -= taken
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        for segment in self._segments():
-            segment.map(lambda t: t.index_select(0, beam_idx.to(t.device)))
-        if self.is_initialized:
-            self.center = self.center.index_select(0, beam_idx.to(self.center.device))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        for segment in self._segments():
-            segment.map(lambda t: t.repeat_interleave(repeats, dim=0))
-        if self.is_initialized:
-            self.center = self.center.repeat_interleave(repeats, dim=0)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        for segment in self._segments():
-            segment.map(lambda t: t[indices])
-        if self.is_initialized:
-            self.center = self.center[indices]
-
     @property
     def nbytes(self) -> int:
         """Bytes of every tensor this layer holds, capacity and the rotation it applies included."""
         if not self.is_initialized:
             return 0
         rotation = self.rotation.numel() * self.rotation.element_size() if self.rotates else 0
-        return sum(s.nbytes() for s in self._segments()) + self.center.numel() * 4 + rotation
+        return sum(s.nbytes() for s in self._segments()) + rotation
 
     def stored_bits_and_elements(self) -> tuple[int, int]:
         """(bits of stored data, elements stored: latent and RoPE part) over the tokens in use."""
@@ -781,16 +781,9 @@ class LatentOscarLayer(_GrowingLayer):
             return 0, 0
         used = (self.windows["sink"].used_bytes(self.n_sink) + self.windows["recent"].used_bytes(self.n_recent)
                 + self.history.used_bytes(self.n_history) + self.rope.used_bytes(self.length)
-                + (self.center.numel() * 4 if self.n_history else 0))
+                + (self.center.used_bytes(1) if self.n_history else 0))
         b, h, _, r = self.windows["sink"]["latent"].shape
         return 8 * used, b * h * self.length * (r + self.rope["rope"].shape[-1])
-
-
-def _reserve_rows(segment: _Segment, used: int, needed: int) -> None:
-    """Grow a growing segment to hold ``needed`` tokens, by at least HISTORY_GROWTH or an eighth of itself."""
-    capacity = segment.capacity
-    if needed > capacity:
-        segment.grow(used, max(needed, capacity + max(HISTORY_GROWTH, capacity // 8)))
 
 
 class StaticOscarLayer(OscarLayer):
@@ -983,10 +976,9 @@ class _LayerBuilder:
     linear-attention state beside them where the layer keeps one, and nothing where it caches nothing. Each entry
     of ATTENTION gives a layer's attention part as (layer class or None, its arguments)."""
 
-    def __init__(self, config, rotations, shape, max_cache_len, quantize_sliding, text_config):
+    def __init__(self, config, rotations, shape, max_cache_len, quantize_sliding):
         self.config, self.rotations, self.shape = config, rotations, shape
         self.max_cache_len, self.quantize_sliding = max_cache_len, quantize_sliding
-        self.layer_configs = list(getattr(text_config, "per_layer_config", None) or [text_config] * shape.num_layers)
 
     def __call__(self, i: int):
         shape = self.shape
@@ -994,11 +986,10 @@ class _LayerBuilder:
             return NoKVLayer()
         cls, args = self.ATTENTION[shape.attention(i)](self, i)
         if shape.has_state(i):
-            states = getattr(self.layer_configs[i], "number_of_conv_states", 1)
             with_state = (cache_utils.LinearAttentionLayer if cls is None else
                           cache_utils.LinearAttentionAndSlidingWindowAttentionLayer if cls is DynamicSlidingWindowLayer
                           else _with_state(cls))
-            return with_state(*args, number_of_states=states)
+            return with_state(*args, number_of_states=shape.states[i])
         return cls(*args) if cls is not None else NoKVLayer()
 
     def _rotations(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1091,8 +1082,7 @@ class OscarQuantizedCache(Cache):
                 raise ValueError(f"OscarConfig.key_bits_layers lists layer {i}, which this cache does not quantize "
                                  f"({len(kinds)} layers; sliding-window layers are in the model dtype "
                                  "unless quantize_sliding)")
-        build = _LayerBuilder(config, rotations, shape, max_cache_len, quantize_sliding,
-                              model_config.get_text_config(decoder=True))
+        build = _LayerBuilder(config, rotations, shape, max_cache_len, quantize_sliding)
         layers = [build(i) for i in range(shape.num_layers)]
         super().__init__(layers=layers)
         self.config = config

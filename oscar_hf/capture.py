@@ -123,9 +123,9 @@ class CaptureCache(Cache):
             if not shape.has_state(i):
                 layers.append(attention(observer, i))
             elif shape.attention(i) is None:
-                layers.append(cache_utils.LinearAttentionLayer())
+                layers.append(cache_utils.LinearAttentionLayer(number_of_states=shape.states[i]))
             else:
-                layers.append(_with_state(attention)(observer, i))
+                layers.append(_with_state(attention)(observer, i, number_of_states=shape.states[i]))
         super().__init__(layers=layers)
 
 

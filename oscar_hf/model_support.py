@@ -51,6 +51,9 @@ class ModelShape:
     # multi-head latent attention (DeepSeek-V2/V3 and kin): (kv_lora_rank, qk_rope_head_dim): its attention layers
     # cache a latent of kv_lora_rank channels (head_dims holds it, one "KV head") and the RoPE part of the key
     latent: tuple[int, int] | None = None
+    # per layer: the conv/recurrent states a linear-attention or state-space layer keeps (transformers'
+    # number_of_conv_states; 1 by default)
+    states: tuple[int, ...] | None = None
 
     @property
     def head_dim(self) -> int:
@@ -131,6 +134,7 @@ class ModelShape:
             attention_chunk_size=getattr(cfg, "attention_chunk_size", None),
             kv_sharing=tuple(sharing) if sharing is not None else None,
             latent=latent,
+            states=tuple(getattr(c, "number_of_conv_states", 1) for c in per_layer),
         )
 
 
