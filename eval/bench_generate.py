@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python eval/bench_generate.py [--models M,..] [--methods X,..] [--lengths T,..] [--batches B,..]
                                                [--steps N] [--warmup W] [--budget-s S] [--kernels N]
+                                               [--no-capacity] [--no-prefill]
                                                [--decodings generate,overlapped] [--tuning-timer steady|inductor]
                                                [--out DIR]
     PYTHONPATH=. python eval/bench_generate.py --smoke [--device cpu]   # tiny random models, < 1 minute on a CPU
@@ -59,8 +60,9 @@ compiled method); ``--kernels N`` then logs the forward's time by kernel (torch.
 summed and on the critical path, and the idle gaps by the kernel starting after each; on the CPU, self time by op).
 ``peak_mem_gb``: torch.cuda.max_memory_allocated during the generate call, i.e. weights + cache + decode working set
 (``base_mem_gb``: allocated before the cache). ``cache_gb``: the bytes of the cache's tensors after the call
-(``cache.nbytes`` for OSCAR). Memory in GiB, summed over the GPUs the model uses. Cases whose cache alone cannot fit
-in the free memory are reported as "oom (...)" without being run.
+(``cache.nbytes`` for OSCAR), linear-attention and state-space layers' states included (``state_gb``: those
+alone). Memory in GiB, summed over the GPUs the model uses. Cases whose cache alone cannot fit in the free memory
+are reported as "oom (...)" without being run.
 
 Several GPUs (``--gpus N``): the decoder layers are split evenly over GPUs 0..N-1 with ``accelerate.dispatch_model``
 (the placement ``device_map`` gives), each cache layer lives on its attention layer's GPU, and the cache is filled
@@ -196,6 +198,7 @@ class Profile:
     budget_s: float  # no case starts later than this, counted from the end of the imports (~15 s on a GPU host)
     gpus: int = 1  # the model's layers split evenly over this many GPUs (accelerate.dispatch_model)
     capacity: bool = True  # run the capacity search
+    prefill: bool = True  # run the prefill cases
     kernels: int = 0  # print this many of the compiled forward's longest kernels (0: none)
     decodings: tuple[str, ...] = ("generate",)  # keys of DECODINGS, each case run with each
 
@@ -327,7 +330,8 @@ DECODINGS = {"generate": None, "overlapped": overlapped_sample}  # name: generat
 
 COLUMNS = ["model", "method", "kind", "T", "batch", "decoding", "prefill_s", "prefill_chunk", "decode_tok_s",
            "ms_per_step", "ms_per_step_median", "ms_per_step_max", "forward_ms", "compile_s", "fill_s", "generate_s",
-           "compiled", "graphs", "base_mem_gb", "peak_mem_gb", "cache_gb", "stop_check", "gc_ms", *GPU_STATE,
+           "compiled", "graphs", "base_mem_gb", "peak_mem_gb", "cache_gb", "state_gb", "stop_check", "gc_ms",
+           *GPU_STATE,
            "status", "prefill_status"]
 TABLE = ["model", "method", "kind", "T", "batch", "decoding", "prefill_s", "decode_tok_s", "ms_per_step", "forward_ms",
          "compile_s", "peak_mem_gb", "cache_gb", "status"]
@@ -656,12 +660,22 @@ def tensor_bytes(obj) -> int:
     return 0
 
 
+STATES = ("conv_states", "recurrent_states")  # a linear-attention or state-space layer's tensors
+
+
+def state_bytes(cache) -> int:
+    """Bytes of the linear-attention and state-space layers' states (conv and recurrent): a constant per sequence."""
+    return sum(tensor_bytes([getattr(layer, name, None) for name in STATES]) for layer in cache.layers)
+
+
 def cache_bytes(cache) -> int:
-    """``cache.nbytes`` for OSCAR; else the bytes of every layer's K/V tensors, quantized ones included."""
+    """``cache.nbytes`` for OSCAR; else the bytes of every layer's K/V tensors, quantized ones included, and
+    states."""
     if isinstance(cache, OscarQuantizedCache):
         return cache.nbytes
     names = ("keys", "values", "_quantized_keys", "_quantized_values")
-    return sum(tensor_bytes([getattr(layer, name, None) for name in names]) for layer in cache.layers)
+    return sum(tensor_bytes([getattr(layer, name, None) for name in names]) for layer in cache.layers) + \
+        state_bytes(cache)
 
 
 def check_length(cache, expected: int) -> None:
@@ -773,6 +787,7 @@ def measure_decode(model: torch.nn.Module, method: BenchMethod, length: int, bat
               "compile_s": max(0.0, seconds(clock.marks[0], clock.marks[profile.warmup]) - profile.warmup * step_s),
               "fill_s": fill_s, "generate_s": generate_s, "compiled": compiled,
               "graphs": clock.graphs[-1] - graphs, "cache_gb": cache_bytes(cache) / GIB,
+              "state_gb": state_bytes(cache) / GIB,
               "stop_check": "deferred" if deferred else "every step",
               "gc_ms": sum(ms for *_, ms in pauses),
               "base_mem_gb": base, "peak_mem_gb": peak, **clocks}
@@ -920,7 +935,7 @@ def bench_model(name: str, methods: list[BenchMethod], profile: Profile, device:
             progress(row, DECODE_FIELDS)
         torch.compiler.reset()  # drops compiled graphs and their CUDA-graph memory pools
         free_memory()
-    for method in (m for m in methods if m.installed()):
+    for method in (m for m in methods if m.installed() and profile.prefill):
         use_attention(model, method)
         for length, batch in prefill_cases(profile):
             row = grid[method.name, length, batch, profile.decodings[0]]
@@ -1053,6 +1068,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--gpus", type=positive, help="split each model's layers over this many GPUs (default 1)")
     p.add_argument("--no-capacity", dest="capacity", action="store_false", default=None,
                    help="skip the capacity search")
+    p.add_argument("--no-prefill", dest="prefill", action="store_false", default=None,
+                   help="skip the prefill cases")
     p.add_argument("--kernels", type=positive, help="after forward_ms, print the compiled forward's N longest kernels "
                    "(GPU time per forward, torch.profiler)")
     p.add_argument("--decodings", type=names(DECODINGS),
@@ -1070,7 +1087,7 @@ def parse_args() -> argparse.Namespace:
     if (args.gpus or 1) > max(1, torch.cuda.device_count()):
         p.error(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} CUDA devices")
     overrides = {k: getattr(args, k) for k in ("models", "lengths", "batches", "steps", "warmup", "budget_s", "gpus",
-                                             "capacity", "kernels", "decodings")}
+                                             "capacity", "prefill", "kernels", "decodings")}
     args.profile = replace(SMOKE if args.smoke else FULL, **{k: v for k, v in overrides.items() if v is not None})
     return args
 

@@ -34,13 +34,13 @@ from transformers import cache_utils
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from .config import OscarConfig
-from .kernels import WRITE_BACKENDS, PackedKV, resolve
+from .kernels import WRITE_BACKENDS, PackedKV, dequantize_backend, resolve
 from .kernels.append.reference import rotate_rows
 from .kernels.decode import launch as decode_launch
 from .kernels.dequantize.reference import dequantize_history, materialize, unrotate
 from .kernels.flags import raise_for_flags
 from .model_support import ModelShape, check_model_supported
-from .quantizer import QuantizedRows, dequantize, quantize
+from .quantizer import QuantizedRows, quantize
 from .rotations import OscarRotations
 
 ATTN_IMPLEMENTATION = "oscar"
@@ -684,6 +684,8 @@ class LatentOscarLayer(_GrowingLayer):
         cfg = self.config
         self.group_size = cfg.resolved_group_size(dim)
         self.rotation = self.rotation.to(self.device, torch.float32)
+        self.rotation_mt = self.rotation.mT.to(self.dtype).contiguous()  # the rotation back, in the model dtype
+        self.dequantize = dequantize_backend(cfg.backend, self.device)
 
         def empty(*tail: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.empty(batch, heads, 0, *tail, dtype=dtype, device=self.device)
@@ -737,16 +739,23 @@ class LatentOscarLayer(_GrowingLayer):
         self.n_history += rows.shape[2]
 
     def materialize(self) -> torch.Tensor:
-        """The latent sequence ``[B, 1, T, r]`` in the model dtype: the windows as stored, the history dequantized,
-        centered back and rotated back (fp32 sums, rounded once)."""
-        history = self.history.read(self.n_history)
-        rows = dequantize(QuantizedRows(history["codes"], history["scale"], history["zero"]),
-                          self.config.side_bits["key"]) + self.center["latent"]
-        if self.rotates:
-            rows = rows @ self.rotation.mT
-        parts = (self.windows["sink"]["latent"][:, :, :self.n_sink], rows.to(self.dtype),
-                 self.windows["recent"]["latent"][:, :, :self.n_recent])
-        return torch.cat(parts, dim=2)
+        """The latent sequence ``[B, 1, T, r]`` in the model dtype: the windows as stored; the history dequantized
+        with its center added (the dequantize kernel on CUDA, its twin elsewhere) and rotated back, both in the
+        model dtype. (The rotation back is a ``[T, r] × [r, r]`` product every step: in fp32 it would cost more
+        than the model's own expansion of the latent through ``kv_b_proj``.)"""
+        out = torch.empty(*self.center["latent"].shape[:2], self.length, self.rotation.shape[0], dtype=self.dtype,
+                          device=self.device)
+        n_sink, n_history, n_recent = self.counts
+        out[:, :, :n_sink] = self.windows["sink"]["latent"][:, :, :n_sink]
+        history = out[:, :, n_sink:n_sink + n_history]
+        stored = self.history.read(n_history)
+        center = self.center["latent"] if self.config.centering else None
+        self.dequantize(QuantizedRows(stored["codes"], stored["scale"], stored["zero"]), center, history,
+                        bits=self.config.side_bits["key"])
+        if self.rotates and n_history:
+            history.copy_(history @ self.rotation_mt)
+        out[:, :, n_sink + n_history:] = self.windows["recent"]["latent"][:, :, :n_recent]
+        return out
 
     # ------------------------------------------------------------------ cache bookkeeping API
     def get_seq_length(self) -> int:
@@ -772,8 +781,8 @@ class LatentOscarLayer(_GrowingLayer):
         """Bytes of every tensor this layer holds, capacity and the rotation it applies included."""
         if not self.is_initialized:
             return 0
-        rotation = self.rotation.numel() * self.rotation.element_size() if self.rotates else 0
-        return sum(s.nbytes() for s in self._segments()) + rotation
+        rotations = (self.rotation, self.rotation_mt) if self.rotates else ()
+        return sum(s.nbytes() for s in self._segments()) + sum(r.numel() * r.element_size() for r in rotations)
 
     def stored_bits_and_elements(self) -> tuple[int, int]:
         """(bits of stored data, elements stored: latent and RoPE part) over the tokens in use."""

@@ -10,11 +10,12 @@ from __future__ import annotations
 import torch
 
 from .decode import reference as decode_reference
+from .dequantize.reference import dequantize_rows
 from .packed import PackedKV
 from .write.reference import quantize_kv
 
-__all__ = ["ATTENTION_BACKENDS", "WRITE_BACKENDS", "PackedKV", "attention_backend", "quantize_kv", "resolve",
-           "write_backend"]
+__all__ = ["ATTENTION_BACKENDS", "DEQUANTIZE_BACKENDS", "WRITE_BACKENDS", "PackedKV", "attention_backend",
+           "dequantize_backend", "quantize_kv", "resolve", "write_backend"]
 
 
 def _torch_attend(module, query, packed: PackedKV, new_key, new_value, attention_mask, scaling, recent_tokens: int,
@@ -25,6 +26,7 @@ def _torch_attend(module, query, packed: PackedKV, new_key, new_value, attention
 
 ATTENTION_BACKENDS = {"torch": _torch_attend}
 WRITE_BACKENDS = {"torch": quantize_kv}
+DEQUANTIZE_BACKENDS = {"torch": dequantize_rows}
 
 try:
     import triton  # noqa: F401
@@ -53,8 +55,14 @@ else:
 
         return quantize_pack_kv(key, value, **kwargs)
 
+    def _triton_dequantize(rows, center, out, *, bits):
+        from .dequantize.triton import dequantize_rows
+
+        dequantize_rows(rows, center, out, bits=bits)
+
     ATTENTION_BACKENDS["triton"] = _triton_attend
     WRITE_BACKENDS["triton"] = _triton_write
+    DEQUANTIZE_BACKENDS["triton"] = _triton_dequantize
 
 
 def resolve(name: str, device: torch.device) -> str:
@@ -77,3 +85,9 @@ def write_backend(name: str, device: torch.device):
     """The K/V writer ``(key, value, *, bits, key_bits, group_size, k_clip, v_clip, scale_dtype, method, key_center,
     value_center)`` of backend ``name`` on ``device``."""
     return WRITE_BACKENDS[resolve(name, device)]
+
+
+def dequantize_backend(name: str, device: torch.device):
+    """The per-token row reader ``(rows, center, out, *, bits)`` of backend ``name`` on ``device``: dequantize
+    ``rows`` (plus ``center``) into ``out``."""
+    return DEQUANTIZE_BACKENDS[resolve(name, device)]

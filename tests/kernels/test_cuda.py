@@ -317,3 +317,38 @@ def test_attention_variants_on_both_backends_and_in_cuda_graphs(family):
     steps = same.index(False) + 1 if False in same else len(same)
     for step in range(steps):
         torch.testing.assert_close(compiled.logits[step].float(), eager.logits[step].float(), rtol=0, atol=0.05)
+
+
+@pytest.mark.parametrize("family", ["qwen3.5-hybrid", "qwen3-next-hybrid", "deepseek-v3-mla", "kimi-linear-mla-hybrid"])
+def test_hybrid_and_latent_attention_on_both_backends(family):
+    """Linear-attention hybrids (their full-attention layers through the decode kernel) and multi-head latent
+    attention (its INT2 latent history through the dequantize kernel), bf16: a decode step over an INT2 history
+    gives close logits on both backends, and a greedy generate runs on each."""
+    import transformers
+    from helpers import FAMILIES, build_family
+
+    from oscar_hf import UnsupportedModelError, check_model_supported
+
+    if not hasattr(transformers, FAMILIES[family][0]):
+        pytest.skip(f"transformers {transformers.__version__} has no {FAMILIES[family][0]}")
+    model = build_family(family, torch.bfloat16, **({} if "mla" in family else dict(head_dim=64))).cuda()
+    try:
+        check_model_supported(model)
+    except UnsupportedModelError as refusal:
+        pytest.skip(str(refusal))
+    rotations = OscarRotations.hadamard(model.config)
+    ids = torch.randint(3, 90, (2, 70), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    logits = {}
+    for backend in ("torch", "triton"):
+        cache = OscarQuantizedCache.from_pretrained(rotations, model=model, sink_tokens=4, recent_tokens=8,
+                                                    backend=backend)
+        with torch.no_grad():
+            model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True)
+            step = model(input_ids=ids[:, -1:], **cache_kwargs(model, cache), use_cache=True)
+        assert cache.bits_per_element < 16, "nothing was quantized"
+        logits[backend] = step.logits[:, -1].float()
+        out = model.generate(input_ids=ids, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                             **cache_kwargs(model, OscarQuantizedCache.from_pretrained(
+                                 rotations, model=model, sink_tokens=4, recent_tokens=8, backend=backend)))
+        assert out.shape == (2, 78)
+    torch.testing.assert_close(logits["triton"], logits["torch"], rtol=0.05, atol=0.05)

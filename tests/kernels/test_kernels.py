@@ -26,6 +26,7 @@ from oscar_hf import (  # noqa: E402
     StaticOscarLayer,
     cache_kwargs,
 )
+from oscar_hf.cache import LatentOscarLayer  # noqa: E402
 from oscar_hf.kernels import ATTENTION_BACKENDS, WRITE_BACKENDS, quantize_kv  # noqa: E402
 from oscar_hf.kernels import flags as kernel_flags  # noqa: E402
 from oscar_hf.kernels.decode import launch  # noqa: E402
@@ -546,6 +547,26 @@ def test_dequantize_kernel_equals_materialize(dtype, bits, group, centering, key
                 assert (got != want).float().mean() < 0.5  # (not everything off by rounding)
             else:
                 assert torch.equal(got, want), (past, side)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("centering", [True, False], ids=["centered", "uncentered"])
+def test_latent_layer_reads_its_history_through_the_dequantize_kernel(dtype, centering):
+    """A multi-head latent attention layer (latent 64 channels, rotated, groups of 32) with backend "triton" returns
+    what the torch twin returns: fp32 equal, bf16 within one ulp of the dequantized rows' rounding."""
+    rotation = torch.linalg.qr(torch.randn(64, 64, generator=torch.Generator().manual_seed(3)))[0]
+    latent, rope = randn(2, 2, 1, 90, 64, seed=13).to(dtype), randn(2, 1, 90, 16, seed=14).to(dtype)
+    got = {}
+    for backend in ("torch", "triton"):
+        layer = LatentOscarLayer(OscarConfig(sink_tokens=4, recent_tokens=8, flush_tokens=4, group_size=32,
+                                             centering=centering, backend=backend), rotation)
+        layer.update(latent[0], rope)
+        got[backend] = layer.update(latent[1, :, :, :3], rope[:, :, :3])[0]
+        assert layer.n_history > 70
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(got["triton"], got["torch"], rtol=2**-6, atol=2**-6)
+    else:
+        torch.testing.assert_close(got["triton"], got["torch"], rtol=1e-6, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------- generate

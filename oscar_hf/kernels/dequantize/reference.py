@@ -22,6 +22,13 @@ def dequantize_history(packed: PackedKV, side: str, stop: int, start: int = 0) -
     return history if center is None else history + center
 
 
+def dequantize_rows(rows: QuantizedRows, center: torch.Tensor | None, out: torch.Tensor, *, bits: int) -> None:
+    """Per-token rows dequantized in fp32, plus ``center`` where given, rounded once into ``out [B, H, n, D]``: the
+    dequantize kernel's contract (:func:`oscar_hf.kernels.dequantize.triton.dequantize_rows`), in torch."""
+    x = dequantize(rows, bits)
+    out.copy_(x if center is None else x + center)
+
+
 def fill_history(packed: PackedKV, side: str, out: torch.Tensor) -> None:
     """Write the first ``out.shape[2]`` history tokens of ``side``, dequantized (rotated basis), into ``out`` (a
     ``[B, H, n, D]`` view of a buffer): the dequantize kernel's contract, in torch (per-channel K dequantizes whole

@@ -1,7 +1,7 @@
 """Triton dequantize kernel: a per-token INT2/INT4 history back to the model dtype, written in place into the
 buffer that attention over a prefill chunk reads with SDPA.
 
-Its twin is :func:`oscar_hf.kernels.dequantize.reference.fill_history`: ``zero + scale·code (+ μ)`` in fp32 with the
+Its twin is :func:`oscar_hf.kernels.dequantize.reference.dequantize_rows`: ``zero + scale·code (+ μ)`` in fp32 with the
 same roundings (no fused multiply-add), rounded to the model dtype to nearest even, so on a GPU the output is
 bit-identical (under TRITON_INTERPRET=1 fp32 → bf16 rounds toward zero: up to one bf16 ulp apart).
 """
@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...quantizer import QuantizedRows
 from ..packed import PackedKV
 from ..utils import on_device_of, triton_runs_on
 
@@ -57,20 +58,29 @@ def supports(packed: PackedKV) -> bool:
     return packed.per_token_keys and triton_runs_on(packed.device)
 
 
+def dequantize_rows(rows: QuantizedRows, center: torch.Tensor | None, out: torch.Tensor, *, bits: int) -> None:
+    """Per-token rows (codes ``[B, H, n, D·bits/8]`` uint8, scale and zero ``[B, H, n, D/group]``) dequantized,
+    plus ``center [B, H, 1, D]`` (fp32) where given, written into ``out [B, H, n, D]`` (fp32, fp16 or bf16, any
+    strides along its first three dims)."""
+    batch, heads, n, dim = out.shape
+    if not n:
+        return
+    codes, scale, zero = rows
+    centered = center is not None
+    center = center if centered else scale  # (a stand-in pointer, never read)
+    with on_device_of(out):
+        _dequantize_kernel[(batch * heads, triton.cdiv(n, BLOCK_N))](
+            codes, scale, zero, center, out,
+            *codes.stride()[:3], *scale.stride()[:3], *center.stride()[:2], *out.stride()[:3],
+            n, heads,
+            D=dim, BITS=bits, GROUP=dim // scale.shape[-1], BLOCK_N=BLOCK_N, CENTERED=centered,
+            num_warps=4, enable_fp_fusion=False,
+        )
+
+
 def fill_history(packed: PackedKV, side: str, out: torch.Tensor) -> None:
     """The first ``out.shape[2]`` history tokens of ``side``, dequantized, written into ``out`` (a ``[B, H, n, D]``
     view of the buffer; see :func:`supports`)."""
     n_hist = out.shape[2]
     _, _, rows, center, bits = packed.side(side)
-    codes, scale, zero = (t[:, :, :n_hist] for t in rows)
-    centered = center is not None
-    center = center if centered else scale  # (a stand-in pointer, never read)
-    batch, heads, _, dim = out.shape
-    with on_device_of(out):
-        _dequantize_kernel[(batch * heads, triton.cdiv(n_hist, BLOCK_N))](
-            codes, scale, zero, center, out,
-            *codes.stride()[:3], *scale.stride()[:3], *center.stride()[:2], *out.stride()[:3],
-            n_hist, heads,
-            D=dim, BITS=bits, GROUP=packed.group_size, BLOCK_N=BLOCK_N, CENTERED=centered,
-            num_warps=4, enable_fp_fusion=False,
-        )
+    dequantize_rows(QuantizedRows(*(t[:, :, :n_hist] for t in rows)), center, out, bits=bits)
