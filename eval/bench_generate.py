@@ -122,6 +122,7 @@ from transformers import (
     LogitsProcessor,
     LogitsProcessorList,
     StaticCache,
+    cache_utils,
 )
 from transformers.cache_utils import StaticLayer
 from transformers.masking_utils import sdpa_mask
@@ -237,11 +238,14 @@ class UndoableStaticLayer(StaticLayer):
 
 
 def undoable_static_cache(model: torch.nn.Module, tokens: int) -> StaticCache:
-    """``StaticCache(config=model.config, max_cache_len=tokens)`` with UndoableStaticLayer layers."""
+    """``StaticCache(config=model.config, max_cache_len=tokens)`` with UndoableStaticLayer layers in place of its
+    full-attention ones (a hybrid's linear-attention layers kept as they are)."""
     cache = StaticCache(config=model.config, max_cache_len=tokens)
-    if any(type(layer) is not StaticLayer for layer in cache.layers):
-        raise ValueError("undoable_static_cache serves full-attention models only")
-    cache.layers = [UndoableStaticLayer(max_cache_len=tokens) for _ in cache.layers]
+    states = getattr(cache_utils, "LinearAttentionLayer", ())
+    if any(type(layer) is not StaticLayer and not isinstance(layer, states) for layer in cache.layers):
+        raise ValueError("undoable_static_cache serves full-attention layers and linear-attention states only")
+    cache.layers = [layer if isinstance(layer, states) else UndoableStaticLayer(max_cache_len=tokens)
+                    for layer in cache.layers]
     return cache
 
 
