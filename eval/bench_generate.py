@@ -28,7 +28,8 @@ The variants (``VARIANTS``):
   transformers' QuantizedCache, which it cannot compile;
 * ``absorbed`` (calibrated methods): ``absorb_value_rotation(model, bundle)`` folds R_V into v_proj and o_proj (in
   place; the random weights stay random weights of the same shapes, so the methods after it time the same model) and
-  the cache takes the bundle it returns: no V rotation GEMMs per step;
+  the cache takes the bundle it returns: no V rotation GEMMs per step. Multi-head latent attention:
+  ``absorb_latent_rotation`` folds the latent rotation into kv_b_proj: no rotation of the history back per step;
 * ``gqa`` (caches that transformers' attention reads: bf16, quanto-int2, hqq-int2): SDPA's own grouped-query
   attention (``enable_gqa=True``) under the mask (``GQA_ATTENTION``), where transformers' sdpa attention copies K and
   V with the KV heads repeated whenever a mask is given, as a static cache's always is: a bf16 baseline without those
@@ -131,6 +132,7 @@ from oscar_hf import (
     ModelShape,
     OscarQuantizedCache,
     OscarRotations,
+    absorb_latent_rotation,
     absorb_value_rotation,
     cache_kwargs,
     overlapped_sample,
@@ -250,7 +252,7 @@ def undoable_static_cache(model: torch.nn.Module, tokens: int) -> StaticCache:
 
 
 VARIANTS = {  # ways to run a registry method that only the benchmark has (the module docstring says more)
-    "absorbed": "R_V folded into v_proj and o_proj (calibrated methods)",
+    "absorbed": "R_V folded into v_proj and o_proj, or the latent rotation into kv_b_proj (calibrated methods)",
     "compiled": "static buffers, so that generate compiles the decode forward (not for QuantizedCache)",
     "gqa": "SDPA's own grouped-query attention under the mask (caches that transformers' attention reads)",
 }
@@ -315,7 +317,8 @@ class BenchMethod:
         if self.method.needs_calibration:
             bundle = OscarRotations.hadamard(model.config)
             if "absorbed" in self.variants:  # random weights stay random weights of the same shapes
-                bundle = absorb_value_rotation(model, bundle)
+                latent = ModelShape.from_config(model.config).latent is not None
+                bundle = (absorb_latent_rotation if latent else absorb_value_rotation)(model, bundle)
         return make_cache(self.method, model, bundle, max_cache_len=tokens if static else None)
 
     def bits(self, shape: ModelShape, tokens: int) -> float:

@@ -3,7 +3,7 @@
 Data flow: calibrate → OscarRotations → OscarQuantizedCache → "oscar" attention → kernels.
 """
 
-from .absorb import absorb_value_rotation
+from .absorb import absorb_latent_rotation, absorb_value_rotation
 from .attention import oscar_attention_forward, register
 from .autocalibrate import rotations_for_model
 from .cache import DynamicOscarLayer, OscarKV, OscarLayer, OscarQuantizedCache, StaticOscarLayer, enable
@@ -21,6 +21,7 @@ __version__ = "0.1.0"
 register()
 
 __all__ = [
+    "absorb_latent_rotation",
     "absorb_value_rotation",
     "cache_kwargs",
     "calibrate",

@@ -1,10 +1,14 @@
-"""Fold the V rotation into the model's weights, so it costs nothing at run time.
+"""Fold rotations into the model's weights, so they cost nothing at run time.
 
-Per KV head block of ``v_proj`` (rows ``[h·D, (h+1)·D)``): ``W ← R_Vᵀ·W`` and ``b ← b·R_V``, so
-v_proj already emits ``v·R_V``; per query head block of ``o_proj``'s input columns:
-``W_o ← W_o·R_V``, so o_proj takes the attention output in the rotated basis. ``R_V`` is the layer's,
-or with per-KV-head rotations each block's KV head's (query head ``h·g + r``: KV head ``h``'s). Exact
+:func:`absorb_value_rotation`: per KV head block of ``v_proj`` (rows ``[h·D, (h+1)·D)``): ``W ← R_Vᵀ·W`` and
+``b ← b·R_V``, so v_proj already emits ``v·R_V``; per query head block of ``o_proj``'s input columns:
+``W_o ← W_o·R_V``, so o_proj takes the attention output in the rotated basis. ``R_V`` is the layer's, or with
+per-KV-head rotations each block's KV head's (query head ``h·g + r``: KV head ``h``'s). Exact
 in real arithmetic (computed in float64, cast back to the weight dtype).
+
+:func:`absorb_latent_rotation` (multi-head latent attention): ``kv_b_proj``'s weight ``W [H·(d_nope + d_v), r]``
+becomes ``W·R``, so that the model expands the latent from the rotated basis (``(c·R)(W·R)ᵀ = c·Wᵀ``): the cache
+hands back the stored latent without rotating the history back every step.
 """
 
 from __future__ import annotations
@@ -65,6 +69,47 @@ def absorb_value_rotation(model: torch.nn.Module, rotations: OscarRotations) -> 
         source_model=rotations.source_model,
         method=rotations.method,
         calibration={**rotations.calibration, "value_rotation_absorbed": True},
+        config=rotations.config,
+        diagnostics=rotations.diagnostics,
+    )
+
+
+@torch.no_grad()
+def absorb_latent_rotation(model: torch.nn.Module, rotations: OscarRotations) -> OscarRotations:
+    """Fold each multi-head latent attention layer's latent rotation (``rotations.key_rotation[i]``, ``[r, r]``)
+    into its ``kv_b_proj``, in place.
+
+    Returns the bundle to use with the modified model: the same rotations, marked ``latent_rotation_absorbed`` in
+    its calibration record, so that the cache returns the latent in the rotated basis (the windows rotated, the
+    history as stored). The modified model needs that bundle: with any other, it would expand a latent in the
+    wrong basis.
+    """
+    shape = ModelShape.from_config(model.config)
+    rotations.check_compatible(model.config)
+    if shape.latent is None:
+        raise ValueError("latent absorption needs multi-head latent attention (a kv_b_proj expanding a latent); "
+                         f"{type(model.config).__name__} has none")
+    if rotations.calibration.get("latent_rotation_absorbed"):
+        raise ValueError("this bundle's latent rotation is already absorbed into a model (folding it twice would "
+                         "rotate the latent twice)")
+    attentions = [m for m in model.modules() if hasattr(m, "kv_b_proj") and hasattr(m, "layer_idx")]
+    full = [i for i in range(shape.num_layers) if shape.attention(i) == "full_attention"]
+    if sorted(a.layer_idx for a in attentions) != full:
+        raise ValueError(f"latent absorption needs a kv_b_proj and layer_idx in every latent attention layer; found "
+                         f"them in layers {sorted(a.layer_idx for a in attentions)} of {full}")
+    for attention in attentions:
+        weight = attention.kv_b_proj.weight  # [H·(d_nope + d_v), r]
+        r = rotations.key_rotation[attention.layer_idx].double().to(weight.device)
+        weight.copy_(weight.double() @ r)
+    return OscarRotations(
+        rotations.key_rotation,
+        rotations.value_rotation,
+        key_eigenvalues=rotations.key_eigenvalues,
+        value_eigenvalues=rotations.value_eigenvalues,
+        num_kv_heads=rotations.kv_heads,
+        source_model=rotations.source_model,
+        method=rotations.method,
+        calibration={**rotations.calibration, "latent_rotation_absorbed": True},
         config=rotations.config,
         diagnostics=rotations.diagnostics,
     )

@@ -654,18 +654,22 @@ class LatentOscarLayer(_GrowingLayer):
     and quantized per token like an OSCAR layer's K; the RoPE part of the key ``[B, 1, T, rope]`` (handed as V) kept
     in the model dtype for every token, since 2-bit RoPE keys wreck attention. ``update`` returns both whole and
     dense, the history dequantized and rotated back, for the model to expand through ``kv_b_proj`` (its attention
-    then runs on plain tensors): a dequantize path, no fused kernel. Host-side updates only."""
+    then runs on plain tensors): a dequantize path, no fused kernel. Host-side updates only.
+
+    ``absorbed``: the rotation is folded into ``kv_b_proj`` (:func:`oscar_hf.absorb_latent_rotation`), so ``update``
+    returns the latent in the rotated basis: the windows rotated (a few hundred rows), the history as stored."""
 
     is_sliding = False
     is_compileable = False
     is_croppable = True
     counts_on_device = False
 
-    def __init__(self, config: OscarConfig, rotation: torch.Tensor):
+    def __init__(self, config: OscarConfig, rotation: torch.Tensor, absorbed: bool = False):
         super().__init__()
         self.config = config
         self.rotation = rotation.detach().clone()  # [r, r]
         self.rotates = not _is_identity(rotation)
+        self.absorbed = absorbed
         self.counts = [0, 0, 0]  # sink, history, recent
 
     n_sink = _count(0, "tokens in the sink")
@@ -684,7 +688,8 @@ class LatentOscarLayer(_GrowingLayer):
         cfg = self.config
         self.group_size = cfg.resolved_group_size(dim)
         self.rotation = self.rotation.to(self.device, torch.float32)
-        self.rotation_mt = self.rotation.mT.to(self.dtype).contiguous()  # the rotation back, in the model dtype
+        # what materialize applies in the model dtype: R to the windows (absorbed), else Rᵀ to the history
+        self.rotation_mt = (self.rotation if self.absorbed else self.rotation.mT).to(self.dtype).contiguous()
         self.dequantize = dequantize_backend(cfg.backend, self.device)
 
         def empty(*tail: int, dtype: torch.dtype) -> torch.Tensor:
@@ -742,7 +747,8 @@ class LatentOscarLayer(_GrowingLayer):
         """The latent sequence ``[B, 1, T, r]`` in the model dtype: the windows as stored; the history dequantized
         with its center added (the dequantize kernel on CUDA, its twin elsewhere) and rotated back, both in the
         model dtype. (The rotation back is a ``[T, r] × [r, r]`` product every step: in fp32 it would cost more
-        than the model's own expansion of the latent through ``kv_b_proj``.)"""
+        than the model's own expansion of the latent through ``kv_b_proj``.) Absorbed: the windows rotated instead,
+        the history as dequantized."""
         out = torch.empty(*self.center["latent"].shape[:2], self.length, self.rotation.shape[0], dtype=self.dtype,
                           device=self.device)
         n_sink, n_history, n_recent = self.counts
@@ -752,9 +758,12 @@ class LatentOscarLayer(_GrowingLayer):
         center = self.center["latent"] if self.config.centering else None
         self.dequantize(QuantizedRows(stored["codes"], stored["scale"], stored["zero"]), center, history,
                         bits=self.config.side_bits["key"])
-        if self.rotates and n_history:
-            history.copy_(history @ self.rotation_mt)
         out[:, :, n_sink + n_history:] = self.windows["recent"]["latent"][:, :, :n_recent]
+        if self.rotates and self.absorbed:
+            for window in (out[:, :, :n_sink], out[:, :, n_sink + n_history:]):
+                window.copy_(window @ self.rotation_mt)
+        elif self.rotates and n_history:
+            history.copy_(history @ self.rotation_mt)
         return out
 
     # ------------------------------------------------------------------ cache bookkeeping API
@@ -1009,7 +1018,8 @@ class _LayerBuilder:
             if self.max_cache_len is not None:
                 raise ValueError("multi-head latent attention layers are stored on the host (the model expands the "
                                  "whole latent each step): build the cache without max_cache_len")
-            return LatentOscarLayer, (self.config.for_layer(i), self.rotations.key_rotation[i])
+            return LatentOscarLayer, (self.config.for_layer(i), self.rotations.key_rotation[i],
+                                      bool(self.rotations.calibration.get("latent_rotation_absorbed")))
         if self.max_cache_len is None:
             return DynamicOscarLayer, (self.config.for_layer(i), *self._rotations(i))
         return StaticOscarLayer, (self.config.for_layer(i), *self._rotations(i), self.max_cache_len)

@@ -307,6 +307,49 @@ def test_mla_calibration_rotates_the_latent():
     assert (rotations.key_eigenvalues[0] > 0).all()  # the latent's attention-weighted second moment
 
 
+MLA_FAMILIES = [name for name in FAMILIES if "mla" in name]
+
+
+@pytest.mark.parametrize("family", MLA_FAMILIES)
+def test_latent_rotation_absorbed_into_kv_b_proj_changes_only_roundings(family):
+    """Calibrated latent rotations folded into kv_b_proj, the absorbed bundle's cache returning the latent in the
+    rotated basis: the same stored codes, so greedy tokens and logits match the unabsorbed model's over an INT2
+    history, fp32 (to roundings)."""
+    import copy
+
+    from oscar_hf import absorb_latent_rotation
+
+    model = build(family)
+    rotations = quick_calibrate(model, torch.randint(3, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0)))
+    absorbed_model = copy.deepcopy(model)
+    absorbed = absorb_latent_rotation(absorbed_model, rotations)
+    assert absorbed.calibration["latent_rotation_absorbed"] and not rotations.calibration.get(
+        "latent_rotation_absorbed")
+    runs = {}
+    for name, m, bundle in (("plain", model, rotations), ("absorbed", absorbed_model, absorbed)):
+        cache = OscarQuantizedCache.from_pretrained(bundle, model=m, sink_tokens=2, recent_tokens=4, flush_tokens=2)
+        runs[name] = generate(m, cache, length=40)
+        layers = [layer for layer in cache.layers if isinstance(layer, LatentOscarLayer)]
+        assert layers and all(layer.absorbed == (name == "absorbed") and layer.n_history > 20 for layer in layers)
+    assert torch.equal(runs["plain"][0], runs["absorbed"][0])
+    torch.testing.assert_close(runs["absorbed"][1], runs["plain"][1], rtol=1e-4, atol=1e-4)
+    # and the absorbed model with the unabsorbed bundle reads the wrong basis: the check above can fail
+    cache = OscarQuantizedCache.from_pretrained(rotations, model=absorbed_model, sink_tokens=2, recent_tokens=4,
+                                                flush_tokens=2)
+    assert (generate(absorbed_model, cache, length=40)[1] - runs["plain"][1]).abs().max() > 1e-2
+
+
+def test_latent_absorption_refuses_what_it_cannot_fold():
+    from oscar_hf import absorb_latent_rotation
+
+    with pytest.raises(ValueError, match="needs multi-head latent attention"):
+        absorb_latent_rotation(build("qwen3.5-hybrid"), OscarRotations.hadamard(build("qwen3.5-hybrid").config))
+    model = build("deepseek-v3-mla")
+    absorbed = absorb_latent_rotation(model, OscarRotations.hadamard(model.config))
+    with pytest.raises(ValueError, match="already absorbed"):
+        absorb_latent_rotation(model, absorbed)
+
+
 def test_mla_capture_reports_the_attention_each_latent_token_receives():
     """Each query's attention sums to 1 over the tokens it sees, so a T-token chunk's weights sum to T per sequence;
     the first token, which every query sees, receives the most under random weights' near-uniform attention."""
