@@ -259,6 +259,11 @@ def cmd_eval(args) -> None:
         niah_lengths=[int(n) for n in args.niah_lengths.split(",")],
         niah_depths=[float(d) for d in args.niah_depths.split(",")],
         niah_needles=args.niah_needles,
+        recall_depths=[int(d) for d in args.recall_depths.split(",")],
+        recall_items=args.recall_items,
+        recall_after=args.recall_after,
+        recall_trials=args.recall_trials,
+        recall_step=args.recall_step,
         gsm8k_path=args.gsm8k,
         gsm8k_limit=args.limit,
     )
@@ -359,16 +364,24 @@ def build_parser() -> argparse.ArgumentParser:
                     help=ROTATIONS_HELP + "; none: only the methods that need no calibrated bundle")
     ev.add_argument("--subfolder", help="the bundle's subfolder of the folder or repo (default: its root)")
     ev.add_argument("--methods", help="comma-separated (default: every method the bundle allows)")
-    ev.add_argument("--tasks", default="perplexity", help="comma-separated from perplexity, niah, gsm8k")
+    ev.add_argument("--tasks", default="perplexity", help="comma-separated from perplexity, niah, recall, gsm8k")
     ev.add_argument("--out", required=True, help="folder for results.csv and the plots (required)")
-    ev.add_argument("--text", help="evaluation text for perplexity and niah, e.g. WikiText-2 test, raw (default: none; "
-                                   "those tasks need it)")
+    ev.add_argument("--text", help="evaluation text for perplexity, niah and recall, e.g. WikiText-2 test, raw "
+                                   "(default: none; those tasks need it)")
     ev.add_argument("--contexts", default="512,1024", help="prefilled tokens before the scored ones, comma-separated")
     ev.add_argument("--score-tokens", type=int, default=128, help="tokens scored one at a time after each context")
     ev.add_argument("--segments", type=int, default=8, help="text segments per context")
     ev.add_argument("--niah-lengths", default="1024,2048", help="haystack lengths in tokens, comma-separated")
     ev.add_argument("--niah-depths", default="0,0.25,0.5,0.75,1", help="needle depths, 0 (start) to 1 (end)")
     ev.add_argument("--niah-needles", type=int, default=1, help="needles (different numbers) per length and depth")
+    ev.add_argument("--recall-depths", default="64,512,1024",
+                    help="recall: text tokens before the list of facts, comma-separated")
+    ev.add_argument("--recall-items", type=int, default=6, help="recall: facts in the list")
+    ev.add_argument("--recall-after", type=int, default=1024,
+                    help="recall: text tokens teacher-forced between the list and the request to copy it")
+    ev.add_argument("--recall-trials", type=int, default=2, help="recall: lists (and stretches of text) per depth")
+    ev.add_argument("--recall-step", type=int, default=1,
+                    help="recall: tokens per forward pass while teacher-forcing (1: the decode path, token by token)")
     ev.add_argument("--gsm8k", help="GSM8K test jsonl (default: none; the gsm8k task needs it)")
     ev.add_argument("--limit", type=int, help="first N GSM8K items (default: all)")
     ev.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=AUTO_DTYPE_HELP)

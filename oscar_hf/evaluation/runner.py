@@ -13,8 +13,9 @@ from .gsm8k import evaluate_gsm8k, load_gsm8k
 from .methods import check_methods
 from .niah import evaluate_niah, misses_where_reference_found, plot_niah
 from .perplexity import evaluate_perplexity, text_segments
+from .recall import evaluate_recall
 
-TASKS = ("perplexity", "niah", "gsm8k")
+TASKS = ("perplexity", "niah", "recall", "gsm8k")
 COLUMNS = ("model", "method", "task", "context", "metric", "value", "bits_per_element", "depth", "needle")
 
 
@@ -34,6 +35,11 @@ def run_eval(
     niah_lengths=(1024, 2048),
     niah_depths=(0.0, 0.25, 0.5, 0.75, 1.0),
     niah_needles: int = 1,
+    recall_depths=(64, 512, 1024),
+    recall_items: int = 6,
+    recall_after: int = 1024,
+    recall_trials: int = 2,
+    recall_step: int = 1,
     gsm8k_path: str | None = None,
     gsm8k_limit: int | None = None,
 ) -> list[dict]:
@@ -46,8 +52,8 @@ def run_eval(
     check_methods(methods, calibrated)
     if {"perplexity", "niah"} & set(tasks):
         require("matplotlib", "oscar-hf eval's plots")  # fail now, not after the evaluation
-    if {"perplexity", "niah"} & set(tasks) and not text:
-        raise ValueError("the perplexity and niah tasks need an evaluation text (--text)")
+    if {"perplexity", "niah", "recall"} & set(tasks) and not text:
+        raise ValueError("the perplexity, niah and recall tasks need an evaluation text (--text)")
     if "gsm8k" in tasks and not gsm8k_path:
         raise ValueError("the gsm8k task needs the GSM8K test jsonl (--gsm8k)")
     out = Path(out_dir)
@@ -75,6 +81,11 @@ def run_eval(
             progress=print,
         )
         plot_niah(rows, out / "niah.png")
+    if "recall" in tasks:
+        rows += evaluate_recall(
+            model, tokenizer, text, list(recall_depths), methods, calibrated, items=recall_items, after=recall_after,
+            trials=recall_trials, step=recall_step, progress=print,
+        )
     if "gsm8k" in tasks:
         rows += evaluate_gsm8k(
             model, tokenizer, load_gsm8k(gsm8k_path, gsm8k_limit), methods, calibrated, progress=print
@@ -97,11 +108,13 @@ def write_csv(rows: list[dict], path: Path) -> None:
 
 def format_results(rows: list[dict]) -> str:
     """Method × (task, metric, context) table, NIAH as the fraction of needles found (and, with bf16 in the run,
-    the needles bf16 found that the method missed), then bits per element."""
+    the needles bf16 found that the method missed), recall by depth (text tokens before the list), then bits per
+    element."""
     summary: dict[tuple, dict[str, list[float]]] = {}
     bits: dict[str, float] = {}
     for r in rows:
-        key = (r["task"], r["metric"], "all" if r["task"] == "niah" else r["context"])
+        where = {"niah": "all", "recall": f"depth {r.get('depth')}"}.get(r["task"], r["context"])
+        key = (r["task"], r["metric"], where)
         summary.setdefault(key, {}).setdefault(r["method"], []).append(r["value"])
         bits[r["method"]] = r["bits_per_element"]
     methods = list(dict.fromkeys(r["method"] for r in rows))

@@ -1,7 +1,8 @@
-"""The evaluation harness: methods registry, perplexity/KL with the cache in the loop, NIAH, GSM8K, CLI."""
+"""The evaluation harness: methods registry, perplexity/KL with the cache in the loop, NIAH, recall, GSM8K, CLI."""
 
 import csv
 import json
+import random
 import re
 import string
 
@@ -13,10 +14,11 @@ from transformers import PreTrainedTokenizerFast
 
 from oscar_hf import OscarConfig, OscarRotations, autocalibrate, cli
 from oscar_hf.cli import main
-from oscar_hf.evaluation import METHODS, make_cache, runner
+from oscar_hf.evaluation import METHODS, make_cache, recall, runner
 from oscar_hf.evaluation.gsm8k import evaluate_gsm8k, extract_answer, load_gsm8k
 from oscar_hf.evaluation.niah import NEEDLE, evaluate_niah, misses_where_reference_found, needle_prompt
 from oscar_hf.evaluation.perplexity import evaluate_perplexity, text_segments
+from oscar_hf.evaluation.recall import ASK, evaluate_recall, recall_items, recall_prompt, score_copy
 from oscar_hf.evaluation.runner import format_results, run_eval
 
 CHARS = string.ascii_letters + string.digits + " .,?!'\n:-"
@@ -244,6 +246,48 @@ def test_needle_prompt_and_niah_rows():
         evaluate_niah(model, tok, TEXT, [200], [0.0], ["bf16"], needles=0)
 
 
+def test_recall_prompt_ends_its_prefill_with_the_list_and_asks_for_it_after_the_text():
+    tok = char_tokenizer()
+    items = recall_items(random.Random(0), 4)
+    assert len(set(items)) == 4 and all(re.fullmatch(r"[A-Z][a-z]+: \d{4}", item) for item in items)
+    pool = tok(TEXT, add_special_tokens=False)["input_ids"]
+    ids, prefill = recall_prompt(tok, items, pool[:30], pool[30:330])
+    assert tok.decode(ids[0, :prefill]).endswith("\n".join(items))
+    ask = tok.decode(tok(ASK, add_special_tokens=False)["input_ids"])  # (the toy vocabulary has no parentheses)
+    assert tok.decode(ids[0, prefill:]).endswith(ask) and ids.shape[1] - prefill >= 300
+    with pytest.raises(ValueError, match="items must be"):
+        recall_items(random.Random(0), 0)
+
+
+def test_recall_scores_exact_lines_only():
+    items = ["Tiger: 1234", "Lemon: 5678", "Anchor: 1111"]
+    assert score_copy("Tiger: 1234\nLemons: 5678\n  Anchor: 1111  \nlemon: 5678", items) == 2
+    assert score_copy("Tiger: 12345", items) == 0
+
+
+def test_recall_teacher_forces_the_text_token_by_token_past_the_list(monkeypatch):
+    """The list is behind every OSCAR layer's recent window (sink or INT2 history) when the copy is asked for, and
+    the text after it went through the model one token per forward pass."""
+    model = make_model("llama-mha-d64")
+    caches, prefills, steps = [], [], []
+    monkeypatch.setattr(recall, "make_cache", lambda *a, **k: caches.append(make_cache(*a, **k)) or caches[-1])
+    real_prompt = recall.recall_prompt
+    monkeypatch.setattr(recall, "recall_prompt", lambda *a: (lambda out: prefills.append(out[1]) or out)(
+        real_prompt(*a)))
+    model.register_forward_pre_hook(lambda module, args, kwargs: steps.append(kwargs["input_ids"].shape[1]),
+                                    with_kwargs=True)
+    rows = evaluate_recall(model, char_tokenizer(), TEXT, [80], ["bf16", "oscar"], OscarRotations.hadamard(
+        model.config), items=3, after=400, trials=1)
+    assert [(r["method"], r["task"], r["metric"], r["depth"]) for r in rows] == [
+        ("bf16", "recall", "recall_exact", 80), ("oscar", "recall", "recall_exact", 80)]
+    assert all(r["value"] in (0, 1 / 3, 2 / 3, 1) for r in rows)
+    assert steps.count(1) >= 2 * 400 and rows[1]["bits_per_element"] < rows[0]["bits_per_element"] == 32
+    for layer in caches[1].layers:
+        assert layer.n_history > 0 and layer.n_sink + layer.n_history >= prefills[0]
+    with pytest.raises(ValueError, match="fewer than"):
+        evaluate_recall(model, char_tokenizer(), TEXT[:200], [80], ["bf16"], items=3, after=400)
+
+
 def test_niah_misses_count_only_needles_the_reference_found():
     def row(method, depth, needle, value):
         return dict(task="niah", method=method, target_length=100, depth=depth, needle=needle, value=value)
@@ -324,9 +368,19 @@ def test_cli_eval_end_to_end(tmp_path, capsys):
             "--rotations",
             str(tmp_path / "rot"),
             "--tasks",
-            "perplexity",
+            "perplexity,recall",
             "--text",
             str(tmp_path / "text.txt"),
+            "--recall-depths",
+            "8,40",
+            "--recall-items",
+            "2",
+            "--recall-after",
+            "20",
+            "--recall-trials",
+            "1",
+            "--recall-step",
+            "8",
             "--contexts",
             "16",
             "--score-tokens",
@@ -340,9 +394,12 @@ def test_cli_eval_end_to_end(tmp_path, capsys):
         ]
     )
     table = capsys.readouterr().out
-    assert "oscar-lloyd-max" in table and "kl_to_bf16" in table
+    assert "oscar-lloyd-max" in table and "kl_to_bf16" in table and "recall / recall_exact / depth 40" in table
     with open(tmp_path / "out" / "results.csv") as f:
-        assert {"bf16", "oscar", "oscar-lloyd-max"} <= {row["method"] for row in csv.DictReader(f)}
+        results = list(csv.DictReader(f))
+    assert {"bf16", "oscar", "oscar-lloyd-max"} <= {row["method"] for row in results}
+    assert {(row["method"], row["depth"]) for row in results if row["task"] == "recall"} >= {("oscar", "8"),
+                                                                                          ("oscar", "40")}
 
 
 def test_benchmark_environment_names_device_versions_and_commit():
