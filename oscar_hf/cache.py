@@ -554,6 +554,15 @@ class OscarLayer(_GrowingLayer):
         b, h, _, d = self.sink["key"].shape
         return 8 * used, 2 * b * h * self.length * d
 
+    def history_bits_and_elements(self) -> tuple[int, int]:
+        """(bits of stored data, K and V elements) of the quantized history alone: codes, scales and zeros, and
+        the centers."""
+        if not self.is_initialized or not self.n_history:
+            return 0, 0
+        self.store_pending()
+        b, h, _, d = self.sink["key"].shape
+        return 8 * (self.history.used_bytes(self.n_history) + self.center.used_bytes(1)), 2 * b * h * self.n_history * d
+
 
 class DynamicOscarLayer(OscarLayer):
     """An OSCAR layer whose buffers grow with the sequence: windows by doubling up to their limits, the history in
@@ -802,6 +811,15 @@ class LatentOscarLayer(_GrowingLayer):
                 + (self.center.used_bytes(1) if self.n_history else 0))
         b, h, _, r = self.windows["sink"]["latent"].shape
         return 8 * used, b * h * self.length * (r + self.rope["rope"].shape[-1])
+
+    def history_bits_and_elements(self) -> tuple[int, int]:
+        """(bits, elements) of the history tokens alone: the quantized latent, its center, and their RoPE keys."""
+        if not self.is_initialized or not self.n_history:
+            return 0, 0
+        used = (self.history.used_bytes(self.n_history) + self.center.used_bytes(1)
+                + self.rope.used_bytes(self.n_history))
+        b, h, _, r = self.windows["sink"]["latent"].shape
+        return 8 * used, b * h * self.n_history * (r + self.rope["rope"].shape[-1])
 
 
 class StaticOscarLayer(OscarLayer):
@@ -1188,6 +1206,17 @@ class OscarQuantizedCache(Cache):
             else:
                 b = e = 0
             bits, elements = bits + b, elements + e
+        return bits / elements if elements else 0.0
+
+    @property
+    def history_bits_per_element(self) -> float:
+        """Bits per K/V element of the quantized history alone (what a token costs once it leaves the windows; 0.0
+        while nothing is quantized)."""
+        bits = elements = 0
+        for layer in self.layers:
+            if isinstance(layer, (OscarLayer, LatentOscarLayer)):
+                b, e = layer.history_bits_and_elements()
+                bits, elements = bits + b, elements + e
         return bits / elements if elements else 0.0
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..model_support import cache_kwargs
-from .methods import make_cache, stored_bits
+from .methods import bit_columns, make_cache
 
 INSTRUCTION = "Solve this math problem step by step. End your reply with 'The answer is N.'\n\n"
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -57,7 +57,7 @@ def evaluate_gsm8k(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rows = []
     for name in methods:
-        correct, longest, bits = 0, 0, 0.0
+        correct, longest, bits = 0, 0, {}
         for start in range(0, len(items), batch_size):
             batch = items[start : start + batch_size]
             prompts = [
@@ -74,7 +74,7 @@ def evaluate_gsm8k(
                 **enc, **cache_kwargs(model, cache), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad
             )
             longest = max(longest, out.shape[1])
-            bits = stored_bits(cache, model)
+            bits = bit_columns(cache, model)
             for item, seq in zip(batch, out[:, enc["input_ids"].shape[1] :]):
                 correct += same_number(extract_answer(tokenizer.decode(seq, skip_special_tokens=True)), item["answer"])
         rows.append(
@@ -84,7 +84,7 @@ def evaluate_gsm8k(
                 context=longest,
                 metric="accuracy",
                 value=correct / len(items),
-                bits_per_element=bits,
+                **bits,
             )
         )
         if progress:

@@ -242,6 +242,21 @@ def stored_bits(cache, model) -> float:
     return dtype_bits
 
 
+def history_bits(cache, model) -> float:
+    """Bits per K/V element of a token once it is quantized: the OSCAR cache's history count; for transformers'
+    QuantizedCache, its codes plus a scale and a zero per group in the model dtype; else the model dtype's
+    width."""
+    if isinstance(cache, QuantizedCache):
+        layer = cache.layers[0]
+        return layer.nbits + 2 * 8.0 * next(model.parameters()).element_size() / layer.q_group_size
+    return getattr(cache, "history_bits_per_element", None) or 8.0 * next(model.parameters()).element_size()
+
+
+def bit_columns(cache, model) -> dict[str, float]:
+    """A result row's ``bits_per_element`` (:func:`stored_bits`) and ``history_bits`` (:func:`history_bits`)."""
+    return {"bits_per_element": stored_bits(cache, model), "history_bits": history_bits(cache, model)}
+
+
 def make_cache(method: str | Method, model, calibrated: OscarRotations | None = None,
                max_cache_len: int | None = None, **overrides):
     """A fresh cache for ``method``: the default DynamicCache ("bf16"), transformers' QuantizedCache

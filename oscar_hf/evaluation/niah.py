@@ -8,7 +8,7 @@ import torch
 
 from .._extras import pyplot
 from ..model_support import cache_kwargs
-from .methods import make_cache, stored_bits
+from .methods import bit_columns, make_cache
 
 NEEDLE = "The special magic number is {number}."
 QUESTION = "What is the special magic number mentioned in the text above? Answer with the number only."
@@ -73,7 +73,7 @@ def evaluate_niah(
                         context=ids.shape[1],
                         metric="needle_found",
                         value=found,
-                        bits_per_element=stored_bits(cache, model),
+                        **bit_columns(cache, model),
                         depth=depth,
                         target_length=length,
                         needle=needle,

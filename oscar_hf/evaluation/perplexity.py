@@ -13,7 +13,7 @@ import torch
 
 from ..model_support import cache_kwargs
 from ..tokens import bos_prefix, prefixed_chunks
-from .methods import METHODS, make_cache, stored_bits
+from .methods import METHODS, bit_columns, make_cache
 
 
 def text_segments(tokenizer, text: str, count: int, length: int, start_fraction: float = 1 / 3) -> torch.Tensor:
@@ -48,7 +48,8 @@ def evaluate_perplexity(
     model, segments: torch.Tensor, contexts: list[int], methods: list[str], calibrated=None, progress=None,
     caches: dict | None = None,
 ) -> list[dict]:
-    """Rows (method, task, context, metric, value, bits_per_element) for perplexity, KL to bf16 and top-1.
+    """Rows (method, task, context, metric, value, bits_per_element, history_bits) for perplexity, KL to bf16 and
+    top-1.
 
     ``segments [B, L]``: the last ``L - context`` tokens of each are scored, for each ``context``. ``caches``, if
     given, receives each run's cache, filled, under ``(method, context)`` (the default cache's as "bf16").
@@ -64,7 +65,7 @@ def evaluate_perplexity(
             cache = make_cache(name, model, calibrated)
             logprobs = teacher_forced_logprobs(model, cache, segments, context)
             nll = -logprobs.gather(-1, targets[..., None]).mean()
-            bits = stored_bits(cache, model)
+            bits = bit_columns(cache, model)
             if caches is not None:
                 caches[name, context] = cache
             if reference is None:
@@ -76,7 +77,7 @@ def evaluate_perplexity(
             }
             if name in methods:
                 rows += [
-                    dict(method=name, task="perplexity", context=context, metric=k, value=v, bits_per_element=bits)
+                    dict(method=name, task="perplexity", context=context, metric=k, value=v, **bits)
                     for k, v in metrics.items()
                 ]
             if progress:

@@ -20,7 +20,7 @@ import torch
 
 from ..model_support import cache_kwargs
 from ..tokens import bos_prefix
-from .methods import make_cache, stored_bits
+from .methods import bit_columns, make_cache
 
 LIST_HEADER = "List of codes:\n"
 ASK = "\n\nList of codes (repeated from above):\n"
@@ -98,7 +98,7 @@ def evaluate_recall(
                 answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
                 found = score_copy(answer, listing)
                 rows.append(dict(method=name, task="recall", context=ids.shape[1], metric="recall_exact",
-                                 value=found / items, bits_per_element=stored_bits(cache, model), depth=depth,
+                                 value=found / items, **bit_columns(cache, model), depth=depth,
                                  needle=trial))
                 if progress:
                     progress(f"recall depth {depth} trial {trial} {name}: {found}/{items}"

@@ -16,7 +16,8 @@ from .perplexity import evaluate_perplexity, text_segments
 from .recall import evaluate_recall
 
 TASKS = ("perplexity", "niah", "recall", "gsm8k")
-COLUMNS = ("model", "method", "task", "context", "metric", "value", "bits_per_element", "depth", "needle")
+COLUMNS = ("model", "method", "task", "context", "metric", "value", "bits_per_element", "history_bits", "depth",
+           "needle")
 
 
 def run_eval(
@@ -50,7 +51,7 @@ def run_eval(
     if unknown:
         raise ValueError(f"unknown task(s) {unknown}; known: {list(TASKS)}")
     check_methods(methods, calibrated)
-    if {"perplexity", "niah"} & set(tasks):
+    if {"perplexity", "niah", "recall"} & set(tasks):
         require("matplotlib", "oscar-hf eval's plots")  # fail now, not after the evaluation
     if {"perplexity", "niah", "recall"} & set(tasks) and not text:
         raise ValueError("the perplexity, niah and recall tasks need an evaluation text (--text)")
@@ -95,6 +96,8 @@ def run_eval(
     write_csv(rows, out / "results.csv")
     if "perplexity" in tasks:
         plot_perplexity(rows, out / "perplexity.png")
+    if {"perplexity", "niah", "recall"} & set(tasks):
+        plot_frontier(rows, out / "frontier.png")
     print(format_results(rows))
     return rows
 
@@ -112,11 +115,13 @@ def format_results(rows: list[dict]) -> str:
     element."""
     summary: dict[tuple, dict[str, list[float]]] = {}
     bits: dict[str, float] = {}
+    history: dict[str, float] = {}
     for r in rows:
         where = {"niah": "all", "recall": f"depth {r.get('depth')}"}.get(r["task"], r["context"])
         key = (r["task"], r["metric"], where)
         summary.setdefault(key, {}).setdefault(r["method"], []).append(r["value"])
         bits[r["method"]] = r["bits_per_element"]
+        history[r["method"]] = r.get("history_bits", float("nan"))
     methods = list(dict.fromkeys(r["method"] for r in rows))
     lines = [f"{'task / metric / context':<34}" + "".join(f"{m:>17}" for m in methods)]
     for key, values in summary.items():
@@ -127,6 +132,7 @@ def format_results(rows: list[dict]) -> str:
         cells = [str(misses[m]) if m in misses else "-" for m in methods]
         lines.append(f"{'niah / missed where bf16 found':<34}" + "".join(f"{c:>17}" for c in cells))
     lines.append(f"{'bits per element (last run)':<34}" + "".join(f"{bits[m]:>17.3f}" for m in methods))
+    lines.append(f"{'history bits per element':<34}" + "".join(f"{history[m]:>17.3f}" for m in methods))
     return "\n".join(lines)
 
 
@@ -149,6 +155,64 @@ def plot_perplexity(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("perplexity − bf16" if reference else "perplexity")
     ax.set_xscale("log", base=2)
     ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+FRONTIER_PANELS = (  # (task, metric, axis label, higher is better)
+    ("perplexity", "kl_to_bf16", "KL to the default cache (longest context)", False),
+    ("niah", "needle_found", "needles found", True),
+    ("recall", "recall_exact", "items recalled exactly", True),
+)
+
+
+def frontier_points(rows: list[dict], task: str, metric: str) -> dict[str, tuple[float, float]]:
+    """Per method, (history bits per element, the metric's mean): over the longest context for perplexity, over
+    every cell for NIAH and recall. Bits are the mean of the rows' (each run's cache's own count of what a token
+    costs once quantized: the windows, the same for every method, are left out)."""
+    rows = [r for r in rows if r["task"] == task and r["metric"] == metric]
+    if task == "perplexity" and rows:
+        longest = max(r["context"] for r in rows)
+        rows = [r for r in rows if r["context"] == longest]
+    points: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        points.setdefault(r["method"], []).append((r["history_bits"], r["value"]))
+    return {m: (sum(b for b, _ in p) / len(p), sum(v for _, v in p) / len(p)) for m, p in points.items()}
+
+
+def pareto(points: dict[str, tuple[float, float]], higher_is_better: bool) -> list[str]:
+    """The methods no other method beats at equal or fewer bits, by bits."""
+    sign = -1 if higher_is_better else 1
+    front, best = [], float("inf")
+    for method, (bits, value) in sorted(points.items(), key=lambda item: (item[1][0], sign * item[1][1])):
+        if sign * value < best:
+            front.append(method)
+            best = sign * value
+    return front
+
+
+def plot_frontier(rows: list[dict], path: Path) -> None:
+    """Quality against history bits per element, one point per method and a line through the Pareto frontier: KL
+    to the default cache (log scale), needles found, and items recalled, one panel for each task in ``rows``."""
+    plt = pyplot("the bits-versus-quality plot")
+    panels = [(task, metric, label, up, frontier_points(rows, task, metric))
+              for task, metric, label, up in FRONTIER_PANELS]
+    panels = [p for p in panels if p[4]]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False)
+    for ax, (task, metric, label, up, points) in zip(axes[0], panels):
+        for method, (bits, value) in points.items():
+            ax.scatter(bits, value, s=18)
+            ax.annotate(method, (bits, value), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        front = pareto(points, up)
+        ax.plot([points[m][0] for m in front], [points[m][1] for m in front], color="gray", lw=0.8, ls="--")
+        if not up:
+            ax.set_yscale("symlog", linthresh=1e-3)
+        ax.set_xlabel("history bits per K/V element")
+        ax.set_ylabel(label)
+        ax.set_title(task, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

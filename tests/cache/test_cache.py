@@ -207,6 +207,9 @@ def test_nbytes_and_bits_per_element_match_the_analytic_count():
     expected_bits = 16 * (64 + 256) + history * (2 + 32 / 128) + 32  # + the fp32 centering means
     assert cache.bits_per_element == pytest.approx(expected_bits / seq)
     assert cache.bits_per_element == pytest.approx(cache.config.bits_per_element(dim, seq))
+    # the history alone: 2.25 bits, and one fp32 mean per head and side over its tokens
+    assert cache.history_bits_per_element == pytest.approx(2.25 + 32 / history)
+    assert cache.config.bits_per_element(dim) == 2.25
     layer = cache.layers[0]
     capacity = layer.history.capacity
     assert history <= capacity <= history + cache_module.HISTORY_GROWTH

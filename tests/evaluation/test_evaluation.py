@@ -319,6 +319,17 @@ def test_gsm8k_loading_and_scoring(tmp_path):
         load_gsm8k(bad)
 
 
+def test_frontier_is_the_best_quality_at_each_budget():
+    rows = [dict(task="perplexity", metric="kl_to_bf16", context=c, method=m, value=v, history_bits=b)
+            for m, b, v in (("a", 2.5, 0.3), ("b", 2.5, 0.1), ("c", 3.0, 0.2), ("d", 4.5, 0.01)) for c in (8, 16)]
+    rows += [dict(task="recall", metric="recall_exact", method=m, value=v, history_bits=b, context=1, depth=0)
+             for m, b, v in (("a", 2.5, 0.0), ("b", 2.5, 0.5), ("c", 3.0, 1.0), ("d", 4.5, 1.0))]
+    kl = runner.frontier_points(rows, "perplexity", "kl_to_bf16")
+    assert kl == {"a": (2.5, 0.3), "b": (2.5, 0.1), "c": (3.0, 0.2), "d": (4.5, 0.01)}
+    assert runner.pareto(kl, higher_is_better=False) == ["b", "d"]
+    assert runner.pareto(runner.frontier_points(rows, "recall", "recall_exact"), higher_is_better=True) == ["b", "c"]
+
+
 def test_run_eval_writes_results_and_plots(tmp_path):
     model = make_model("llama-mha-d64")
     rows = run_eval(
@@ -345,11 +356,12 @@ def test_run_eval_writes_results_and_plots(tmp_path):
         "metric",
         "value",
         "bits_per_element",
+        "history_bits",
         "depth",
         "needle",
     }
     assert {r["model"] for r in written} == {"tiny-llama"}
-    assert (tmp_path / "niah.png").stat().st_size > 0 and (tmp_path / "perplexity.png").stat().st_size > 0
+    assert all((tmp_path / name).stat().st_size > 0 for name in ("niah.png", "perplexity.png", "frontier.png"))
     with pytest.raises(ValueError, match="--text"):
         run_eval(model, char_tokenizer(), "m", ["bf16"], ["perplexity"], tmp_path)
 
