@@ -192,9 +192,10 @@ def pareto(points: dict[str, tuple[float, float]], higher_is_better: bool) -> li
     return front
 
 
-def plot_frontier(rows: list[dict], path: Path) -> None:
+def plot_frontier(rows: list[dict], path: Path, reference: str = "bf16") -> None:
     """Quality against history bits per element, one point per method and a line through the Pareto frontier: KL
-    to the default cache (log scale), needles found, and items recalled, one panel for each task in ``rows``."""
+    to the default cache (log scale), needles found, and items recalled, one panel for each task in ``rows``. The
+    ``reference`` method (the default cache) is a horizontal line: its bits would squeeze the 2–5 bit range."""
     plt = pyplot("the bits-versus-quality plot")
     panels = [(task, metric, label, up, frontier_points(rows, task, metric))
               for task, metric, label, up in FRONTIER_PANELS]
@@ -203,10 +204,15 @@ def plot_frontier(rows: list[dict], path: Path) -> None:
         return
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False)
     for ax, (task, metric, label, up, points) in zip(axes[0], panels):
+        if reference in points:
+            ax.axhline(points.pop(reference)[1], color="black", lw=0.8, ls=":", label=f"{reference} (the bar)")
+            ax.legend(fontsize=7, loc="best")
         for method, (bits, value) in points.items():
             ax.scatter(bits, value, s=18)
             ax.annotate(method, (bits, value), fontsize=6, xytext=(3, 3), textcoords="offset points")
         front = pareto(points, up)
+        if not front:
+            continue
         ax.plot([points[m][0] for m in front], [points[m][1] for m in front], color="gray", lw=0.8, ls="--")
         if not up:
             ax.set_yscale("symlog", linthresh=1e-3)
