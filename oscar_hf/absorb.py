@@ -60,18 +60,7 @@ def absorb_value_rotation(model: torch.nn.Module, rotations: OscarRotations) -> 
         columns = o_weight.double().reshape(o_weight.shape[0], heads, shape.num_heads // heads, d)
         o_weight.copy_(torch.einsum("ohgd,hde->ohge", columns, r).reshape_as(o_weight))
         value_rotation[i] = torch.eye(d).expand_as(value_rotation[i])
-    return OscarRotations(
-        rotations.key_rotation,
-        value_rotation,
-        key_eigenvalues=rotations.key_eigenvalues,
-        value_eigenvalues=rotations.value_eigenvalues,
-        num_kv_heads=rotations.kv_heads,
-        source_model=rotations.source_model,
-        method=rotations.method,
-        calibration={**rotations.calibration, "value_rotation_absorbed": True},
-        config=rotations.config,
-        diagnostics=rotations.diagnostics,
-    )
+    return _absorbed(rotations, value_rotation, "value_rotation_absorbed")
 
 
 @torch.no_grad()
@@ -101,15 +90,20 @@ def absorb_latent_rotation(model: torch.nn.Module, rotations: OscarRotations) ->
         weight = attention.kv_b_proj.weight  # [H·(d_nope + d_v), r]
         r = rotations.key_rotation[attention.layer_idx].double().to(weight.device)
         weight.copy_(weight.double() @ r)
+    return _absorbed(rotations, rotations.value_rotation, "latent_rotation_absorbed")
+
+
+def _absorbed(rotations: OscarRotations, value_rotation, flag: str) -> OscarRotations:
+    """``rotations`` with ``value_rotation`` and ``flag`` set in its calibration record."""
     return OscarRotations(
         rotations.key_rotation,
-        rotations.value_rotation,
+        value_rotation,
         key_eigenvalues=rotations.key_eigenvalues,
         value_eigenvalues=rotations.value_eigenvalues,
         num_kv_heads=rotations.kv_heads,
         source_model=rotations.source_model,
         method=rotations.method,
-        calibration={**rotations.calibration, "latent_rotation_absorbed": True},
+        calibration={**rotations.calibration, flag: True},
         config=rotations.config,
         diagnostics=rotations.diagnostics,
     )
