@@ -317,8 +317,12 @@ class BenchMethod:
         if self.method.needs_calibration:
             bundle = OscarRotations.hadamard(model.config)
             if "absorbed" in self.variants:  # random weights stay random weights of the same shapes
-                latent = ModelShape.from_config(model.config).latent is not None
-                bundle = (absorb_latent_rotation if latent else absorb_value_rotation)(model, bundle)
+                if ModelShape.from_config(model.config).latent is None:
+                    bundle = absorb_value_rotation(model, bundle)
+                else:  # folded once per model: its config then says so, and a second fold is refused
+                    if id(model) not in LATENT_BUNDLES:
+                        LATENT_BUNDLES[id(model)] = absorb_latent_rotation(model, bundle)
+                    bundle = LATENT_BUNDLES[id(model)]
         return make_cache(self.method, model, bundle, max_cache_len=tokens if static else None)
 
     def bits(self, shape: ModelShape, tokens: int) -> float:
@@ -330,6 +334,7 @@ class BenchMethod:
         return self.method.oscar_config(None, min(shape.head_dims)).bits_per_element(min(shape.head_dims), tokens)
 
 
+LATENT_BUNDLES: dict[int, OscarRotations] = {}  # id(model): the bundle its latent absorption returned
 DEFAULT_METHODS = ("oscar", "oscar+compiled", "oscar+absorbed+compiled", "oscar-k4+compiled", "bf16", "bf16+compiled",
                    "bf16+compiled+gqa", "quanto-int2", "hqq-int2")
 CAPACITY_METHODS = ("oscar", "bf16")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from .cache import LATENT_ABSORBED
 from .model_support import ModelShape
 from .rotations import OscarRotations
 
@@ -70,17 +71,19 @@ def absorb_latent_rotation(model: torch.nn.Module, rotations: OscarRotations) ->
 
     Returns the bundle to use with the modified model: the same rotations, marked ``latent_rotation_absorbed`` in
     its calibration record, so that the cache returns the latent in the rotated basis (the windows rotated, the
-    history as stored). The modified model needs that bundle: with any other, it would expand a latent in the
-    wrong basis.
+    history as stored). The model's config is marked too: from then on the model reads its latent right only through
+    an OSCAR cache built from that bundle (not with ``use_cache=False``, nor with transformers' caches);
+    :class:`OscarQuantizedCache` refuses a bundle that does not match the model, and a second absorption is
+    refused.
     """
     shape = ModelShape.from_config(model.config)
     rotations.check_compatible(model.config)
     if shape.latent is None:
         raise ValueError("latent absorption needs multi-head latent attention (a kv_b_proj expanding a latent); "
                          f"{type(model.config).__name__} has none")
-    if rotations.calibration.get("latent_rotation_absorbed"):
-        raise ValueError("this bundle's latent rotation is already absorbed into a model (folding it twice would "
-                         "rotate the latent twice)")
+    if rotations.calibration.get(LATENT_ABSORBED) or getattr(model.config, LATENT_ABSORBED, False):
+        raise ValueError("the " + ("bundle's" if rotations.calibration.get(LATENT_ABSORBED) else "model's")
+                         + " latent rotation is already absorbed (folding it twice would rotate the latent twice)")
     attentions = [m for m in model.modules() if hasattr(m, "kv_b_proj") and hasattr(m, "layer_idx")]
     full = [i for i in range(shape.num_layers) if shape.attention(i) == "full_attention"]
     if sorted(a.layer_idx for a in attentions) != full:
@@ -90,7 +93,8 @@ def absorb_latent_rotation(model: torch.nn.Module, rotations: OscarRotations) ->
         weight = attention.kv_b_proj.weight  # [H·(d_nope + d_v), r]
         r = rotations.key_rotation[attention.layer_idx].double().to(weight.device)
         weight.copy_(weight.double() @ r)
-    return _absorbed(rotations, rotations.value_rotation, "latent_rotation_absorbed")
+    setattr(model.config, LATENT_ABSORBED, True)
+    return _absorbed(rotations, rotations.value_rotation, LATENT_ABSORBED)
 
 
 def _absorbed(rotations: OscarRotations, value_rotation, flag: str) -> OscarRotations:

@@ -43,6 +43,9 @@ from .model_support import ModelShape, check_model_supported
 from .quantizer import QuantizedRows, quantize
 from .rotations import OscarRotations
 
+# set, in a model's config and in the bundle absorb_latent_rotation returns, where kv_b_proj holds the latent rotation
+LATENT_ABSORBED = "latent_rotation_absorbed"
+
 ATTN_IMPLEMENTATION = "oscar"
 HISTORY_GROWTH = 1024  # tokens; a growing history grows by at least this much, or by an eighth of itself
 # A growing history's capacities are multiples of this many tokens, so that growing cannot change whether the
@@ -557,9 +560,11 @@ class OscarLayer(_GrowingLayer):
     def history_bits_and_elements(self) -> tuple[int, int]:
         """(bits of stored data, K and V elements) of the quantized history alone: codes, scales and zeros, and
         the centers."""
-        if not self.is_initialized or not self.n_history:
+        if not self.is_initialized:
             return 0, 0
         self.store_pending()
+        if not self.n_history:
+            return 0, 0
         b, h, _, d = self.sink["key"].shape
         return 8 * (self.history.used_bytes(self.n_history) + self.center.used_bytes(1)), 2 * b * h * self.n_history * d
 
@@ -808,7 +813,7 @@ class LatentOscarLayer(_GrowingLayer):
             return 0, 0
         used = (self.windows["sink"].used_bytes(self.n_sink) + self.windows["recent"].used_bytes(self.n_recent)
                 + self.history.used_bytes(self.n_history) + self.rope.used_bytes(self.length)
-                + (self.center.used_bytes(1) if self.n_history else 0))
+                + (self.center.used_bytes(1) if self.n_history and self.config.centering else 0))
         b, h, _, r = self.windows["sink"]["latent"].shape
         return 8 * used, b * h * self.length * (r + self.rope["rope"].shape[-1])
 
@@ -816,8 +821,8 @@ class LatentOscarLayer(_GrowingLayer):
         """(bits, elements) of the history tokens alone: the quantized latent, its center, and their RoPE keys."""
         if not self.is_initialized or not self.n_history:
             return 0, 0
-        used = (self.history.used_bytes(self.n_history) + self.center.used_bytes(1)
-                + self.rope.used_bytes(self.n_history))
+        used = (self.history.used_bytes(self.n_history) + self.rope.used_bytes(self.n_history)
+                + (self.center.used_bytes(1) if self.config.centering else 0))
         b, h, _, r = self.windows["sink"]["latent"].shape
         return 8 * used, b * h * self.n_history * (r + self.rope["rope"].shape[-1])
 
@@ -1037,7 +1042,7 @@ class _LayerBuilder:
                 raise ValueError("multi-head latent attention layers are stored on the host (the model expands the "
                                  "whole latent each step): build the cache without max_cache_len")
             return LatentOscarLayer, (self.config.for_layer(i), self.rotations.key_rotation[i],
-                                      bool(self.rotations.calibration.get("latent_rotation_absorbed")))
+                                      bool(self.rotations.calibration.get(LATENT_ABSORBED)))
         if self.max_cache_len is None:
             return DynamicOscarLayer, (self.config.for_layer(i), *self._rotations(i))
         return StaticOscarLayer, (self.config.for_layer(i), *self._rotations(i), self.max_cache_len)
@@ -1102,6 +1107,11 @@ class OscarQuantizedCache(Cache):
         if config.backend == "triton" and "triton" not in WRITE_BACKENDS:
             raise ImportError("OscarConfig.backend='triton' needs the triton package (pip install oscar-hf[triton])")
         shape = ModelShape.from_config(model_config)
+        folded = bool(getattr(model_config, LATENT_ABSORBED, False))
+        if shape.latent is not None and folded != bool(rotations.calibration.get(LATENT_ABSORBED)):
+            raise ValueError("the model's kv_b_proj " + ("holds" if folded else "does not hold") + " a latent rotation "
+                             "(absorb_latent_rotation) and the bundle is " + ("not " if folded else "")
+                             + "the one absorb_latent_rotation returned: the latent would be read in the wrong basis")
         kinds = [shape.attention(i) for i in range(shape.num_layers)]
         # sliding-window layers stored by OSCAR too: on request, or where the model has no full-attention layer
         quantize_sliding = config.quantize_sliding or "full_attention" not in kinds

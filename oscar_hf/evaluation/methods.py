@@ -243,13 +243,16 @@ def stored_bits(cache, model) -> float:
 
 
 def history_bits(cache, model) -> float:
-    """Bits per K/V element of a token once it is quantized: the OSCAR cache's history count; for transformers'
-    QuantizedCache, its codes plus a scale and a zero per group in the model dtype; else the model dtype's
-    width."""
+    """Bits per K/V element of a token once it is quantized: the OSCAR cache's history count (NaN while it has
+    quantized nothing); for transformers' QuantizedCache, its codes plus a scale and a zero per group in the model
+    dtype; else (the default cache) the model dtype's width."""
     if isinstance(cache, QuantizedCache):
         layer = cache.layers[0]
         return layer.nbits + 2 * 8.0 * next(model.parameters()).element_size() / layer.q_group_size
-    return getattr(cache, "history_bits_per_element", None) or 8.0 * next(model.parameters()).element_size()
+    bits = getattr(cache, "history_bits_per_element", None)
+    if bits is None:
+        return 8.0 * next(model.parameters()).element_size()
+    return bits or float("nan")
 
 
 def bit_columns(cache, model) -> dict[str, float]:

@@ -77,13 +77,15 @@ def evaluate_recall(
     pool = tokenizer(text[: 16 * needed * (trials + 1)], add_special_tokens=False)["input_ids"]
     if len(pool) < needed:
         raise ValueError(f"the text has {len(pool)} tokens, fewer than the {needed} one probe needs")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rows = []
     for trial in range(trials):
         listing = recall_items(rng, items)
         for depth in depths:
-            start = rng.randrange(len(pool) - depth - after + 1)
-            ids, prefill = recall_prompt(tokenizer, listing, pool[start : start + depth],
-                                         pool[start + depth : start + depth + after])
+            offset = rng.randrange(len(pool) - depth - after + 1)
+            ids, prefill = recall_prompt(tokenizer, listing, pool[offset : offset + depth],
+                                         pool[offset + depth : offset + depth + after])
+            budget = len(tokenizer("\n".join(listing) + "\n", add_special_tokens=False)["input_ids"]) + 16
             ids = ids.to(model.device)
             for name in methods:
                 cache = make_cache(name, model, calibrated)
@@ -93,8 +95,7 @@ def evaluate_recall(
                     model(input_ids=ids[:, start : min(start + step, ids.shape[1] - 1)], **through, use_cache=True,
                           logits_to_keep=1)
                 out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **through,
-                                     max_new_tokens=8 * items + 8, do_sample=False,
-                                     pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+                                     max_new_tokens=budget, do_sample=False, pad_token_id=pad)
                 answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
                 found = score_copy(answer, listing)
                 rows.append(dict(method=name, task="recall", context=ids.shape[1], metric="recall_exact",

@@ -170,14 +170,16 @@ FRONTIER_PANELS = (  # (task, metric, axis label, higher is better)
 def frontier_points(rows: list[dict], task: str, metric: str) -> dict[str, tuple[float, float]]:
     """Per method, (history bits per element, the metric's mean): over the longest context for perplexity, over
     every cell for NIAH and recall. Bits are the mean of the rows' (each run's cache's own count of what a token
-    costs once quantized: the windows, the same for every method, are left out)."""
+    costs once quantized: the windows, the same for every method, are left out); runs that quantized nothing are
+    left out."""
     rows = [r for r in rows if r["task"] == task and r["metric"] == metric]
     if task == "perplexity" and rows:
         longest = max(r["context"] for r in rows)
         rows = [r for r in rows if r["context"] == longest]
     points: dict[str, list[tuple[float, float]]] = {}
     for r in rows:
-        points.setdefault(r["method"], []).append((r["history_bits"], r["value"]))
+        if r["history_bits"] == r["history_bits"]:  # (NaN: that run quantized nothing)
+            points.setdefault(r["method"], []).append((r["history_bits"], r["value"]))
     return {m: (sum(b for b, _ in p) / len(p), sum(v for _, v in p) / len(p)) for m, p in points.items()}
 
 
@@ -210,15 +212,13 @@ def plot_frontier(rows: list[dict], path: Path, reference: str = "bf16") -> None
         for method, (bits, value) in points.items():
             ax.scatter(bits, value, s=18)
             ax.annotate(method, (bits, value), fontsize=6, xytext=(3, 3), textcoords="offset points")
-        front = pareto(points, up)
-        if not front:
-            continue
-        ax.plot([points[m][0] for m in front], [points[m][1] for m in front], color="gray", lw=0.8, ls="--")
         if not up:
             ax.set_yscale("symlog", linthresh=1e-3)
         ax.set_xlabel("history bits per K/V element")
         ax.set_ylabel(label)
         ax.set_title(task, fontsize=9)
+        front = pareto(points, up)
+        ax.plot([points[m][0] for m in front], [points[m][1] for m in front], color="gray", lw=0.8, ls="--")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -56,9 +56,10 @@ else:
         return quantize_pack_kv(key, value, **kwargs)
 
     def _triton_dequantize(rows, center, out, *, bits):
-        from .dequantize.triton import dequantize_rows
+        from .dequantize.triton import dequantize_rows, supports_rows
 
-        dequantize_rows(rows, center, out, bits=bits)
+        (dequantize_rows if supports_rows(out.shape[-1], bits) else DEQUANTIZE_BACKENDS["torch"])(
+            rows, center, out, bits=bits)
 
     ATTENTION_BACKENDS["triton"] = _triton_attend
     WRITE_BACKENDS["triton"] = _triton_write

@@ -333,9 +333,16 @@ def test_latent_rotation_absorbed_into_kv_b_proj_changes_only_roundings(family):
         assert layers and all(layer.absorbed == (name == "absorbed") and layer.n_history > 20 for layer in layers)
     assert torch.equal(runs["plain"][0], runs["absorbed"][0])
     torch.testing.assert_close(runs["absorbed"][1], runs["plain"][1], rtol=1e-4, atol=1e-4)
-    # and the absorbed model with the unabsorbed bundle reads the wrong basis: the check above can fail
-    cache = OscarQuantizedCache.from_pretrained(rotations, model=absorbed_model, sink_tokens=2, recent_tokens=4,
+    # a bundle and a model that do not match would read the latent in the wrong basis: refused both ways
+    for m, bundle in ((absorbed_model, rotations), (model, absorbed)):
+        with pytest.raises(ValueError, match="wrong basis"):
+            OscarQuantizedCache.from_pretrained(bundle, model=m)
+    # and the check above can fail: the absorbed bundle's layers, told otherwise, read the wrong basis
+    cache = OscarQuantizedCache.from_pretrained(absorbed, model=absorbed_model, sink_tokens=2, recent_tokens=4,
                                                 flush_tokens=2)
+    for layer in cache.layers:
+        if isinstance(layer, LatentOscarLayer):
+            layer.absorbed = False
     assert (generate(absorbed_model, cache, length=40)[1] - runs["plain"][1]).abs().max() > 1e-2
 
 
@@ -346,8 +353,10 @@ def test_latent_absorption_refuses_what_it_cannot_fold():
         absorb_latent_rotation(build("qwen3.5-hybrid"), OscarRotations.hadamard(build("qwen3.5-hybrid").config))
     model = build("deepseek-v3-mla")
     absorbed = absorb_latent_rotation(model, OscarRotations.hadamard(model.config))
-    with pytest.raises(ValueError, match="already absorbed"):
-        absorb_latent_rotation(model, absorbed)
+    with pytest.raises(ValueError, match="bundle's latent rotation is already absorbed"):
+        absorb_latent_rotation(build("deepseek-v3-mla"), absorbed)
+    with pytest.raises(ValueError, match="model's latent rotation is already absorbed"):
+        absorb_latent_rotation(model, OscarRotations.hadamard(model.config))
 
 
 def test_mla_capture_reports_the_attention_each_latent_token_receives():

@@ -58,14 +58,24 @@ def supports(packed: PackedKV) -> bool:
     return packed.per_token_keys and triton_runs_on(packed.device)
 
 
+def supports_rows(dim: int, bits: int) -> bool:
+    """Whether :func:`dequantize_rows` serves rows of ``dim`` channels at ``bits``: its bytes per row a power of
+    two (one block of ``tl.arange``)."""
+    width = dim * bits // 8
+    return width > 0 and width & (width - 1) == 0
+
+
 def dequantize_rows(rows: QuantizedRows, center: torch.Tensor | None, out: torch.Tensor, *, bits: int) -> None:
     """Per-token rows (codes ``[B, H, n, D·bits/8]`` uint8, scale and zero ``[B, H, n, D/group]``) dequantized,
     plus ``center [B, H, 1, D]`` (fp32) where given, written into ``out [B, H, n, D]`` (fp32, fp16 or bf16, any
-    strides along its first three dims)."""
+    strides along its first three dims). Scale and zero share strides (they are allocated alike)."""
     batch, heads, n, dim = out.shape
     if not n:
         return
     codes, scale, zero = rows
+    if zero.stride() != scale.stride():
+        raise ValueError(f"scale and zero must share strides (the kernel reads both with scale's); got "
+                         f"{scale.stride()} and {zero.stride()}")
     centered = center is not None
     center = center if centered else scale  # (a stand-in pointer, never read)
     with on_device_of(out):
