@@ -735,12 +735,15 @@ class LatentOscarLayer(_GrowingLayer):
             _grow_window(sink, self.n_sink, self.n_sink + to_sink, cfg.sink_tokens)
             sink.write(self.n_sink, {"latent": latent[:, :, :to_sink]})
             self.n_sink += to_sink
-        window = torch.cat([recent["latent"][:, :, :self.n_recent], latent[:, :, to_sink:]], dim=2)
-        limit = cfg.recent_tokens + cfg.flush_tokens - 1
-        demoted = 0
-        if window.shape[2] > limit:
-            demoted = (window.shape[2] - cfg.recent_tokens) // cfg.flush_tokens * cfg.flush_tokens
-            self._quantize_into_history(window[:, :, :demoted])
+        rest, limit = latent[:, :, to_sink:], cfg.recent_tokens + cfg.flush_tokens - 1
+        if self.n_recent + rest.shape[2] <= limit:  # no demotion (most decode steps): append in place
+            _grow_window(recent, self.n_recent, self.n_recent + rest.shape[2], limit)
+            recent.write(self.n_recent, {"latent": rest})
+            self.n_recent += rest.shape[2]
+            return
+        window = torch.cat([recent["latent"][:, :, :self.n_recent], rest], dim=2)
+        demoted = (window.shape[2] - cfg.recent_tokens) // cfg.flush_tokens * cfg.flush_tokens
+        self._quantize_into_history(window[:, :, :demoted])
         self.n_recent = window.shape[2] - demoted
         _grow_window(recent, 0, self.n_recent, limit)
         recent.write(0, {"latent": window[:, :, demoted:]})
@@ -807,24 +810,32 @@ class LatentOscarLayer(_GrowingLayer):
         rotations = (self.rotation, self.rotation_mt) if self.rotates else ()
         return sum(s.nbytes() for s in self._segments()) + sum(r.numel() * r.element_size() for r in rotations)
 
+    def _bits_and_elements(self, tokens: int, used_bytes: int) -> tuple[int, int]:
+        """(bits of ``used_bytes`` bytes, elements of ``tokens`` tokens: latent and RoPE part)."""
+        b, h, _, r = self.windows["sink"]["latent"].shape
+        return 8 * used_bytes, b * h * tokens * (r + self.rope["rope"].shape[-1])
+
+    def _history_bytes(self) -> int:
+        """Bytes of the history tokens: the quantized latent, its center (if any), and their RoPE keys."""
+        center = self.center.used_bytes(1) if self.n_history and self.config.centering else 0
+        return self.history.used_bytes(self.n_history) + self.rope.used_bytes(self.n_history) + center
+
     def stored_bits_and_elements(self) -> tuple[int, int]:
         """(bits of stored data, elements stored: latent and RoPE part) over the tokens in use."""
         if not self.is_initialized:
             return 0, 0
-        used = (self.windows["sink"].used_bytes(self.n_sink) + self.windows["recent"].used_bytes(self.n_recent)
-                + self.history.used_bytes(self.n_history) + self.rope.used_bytes(self.length)
-                + (self.center.used_bytes(1) if self.n_history and self.config.centering else 0))
-        b, h, _, r = self.windows["sink"]["latent"].shape
-        return 8 * used, b * h * self.length * (r + self.rope["rope"].shape[-1])
+        windows = self.windows["sink"].used_bytes(self.n_sink) + self.windows["recent"].used_bytes(self.n_recent)
+        window_rope = self.rope.used_bytes(self.length) - self.rope.used_bytes(self.n_history)
+        return self._bits_and_elements(self.length, windows + window_rope + self._history_bytes())
 
     def history_bits_and_elements(self) -> tuple[int, int]:
         """(bits, elements) of the history tokens alone: the quantized latent, its center, and their RoPE keys."""
         if not self.is_initialized or not self.n_history:
             return 0, 0
-        used = (self.history.used_bytes(self.n_history) + self.rope.used_bytes(self.n_history)
-                + (self.center.used_bytes(1) if self.config.centering else 0))
-        b, h, _, r = self.windows["sink"]["latent"].shape
-        return 8 * used, b * h * self.n_history * (r + self.rope["rope"].shape[-1])
+        return self._bits_and_elements(self.n_history, self._history_bytes())
+
+
+OSCAR_LAYERS = (OscarLayer, LatentOscarLayer)  # the layers whose storage OSCAR quantizes
 
 
 class StaticOscarLayer(OscarLayer):
@@ -1195,7 +1206,7 @@ class OscarQuantizedCache(Cache):
         too), read from the tensors."""
         total = 0
         for layer in self.layers:
-            if isinstance(layer, (OscarLayer, LatentOscarLayer)):
+            if isinstance(layer, OSCAR_LAYERS):
                 total += layer.nbytes
             elif getattr(layer, "is_initialized", False) and getattr(layer, "keys", None) is not None:
                 total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
@@ -1208,7 +1219,7 @@ class OscarQuantizedCache(Cache):
         """Bits of stored data over the number of K and V elements stored (0.0 when empty)."""
         bits = elements = 0
         for layer in self.layers:
-            if isinstance(layer, (OscarLayer, LatentOscarLayer)):
+            if isinstance(layer, OSCAR_LAYERS):
                 b, e = layer.stored_bits_and_elements()
             elif getattr(layer, "is_initialized", False) and getattr(layer, "keys", None) is not None:
                 e = layer.keys.numel() + layer.values.numel()
@@ -1224,7 +1235,7 @@ class OscarQuantizedCache(Cache):
         while nothing is quantized)."""
         bits = elements = 0
         for layer in self.layers:
-            if isinstance(layer, (OscarLayer, LatentOscarLayer)):
+            if isinstance(layer, OSCAR_LAYERS):
                 b, e = layer.history_bits_and_elements()
                 bits, elements = bits + b, elements + e
         return bits / elements if elements else 0.0

@@ -166,7 +166,7 @@ def check_model_supported(model: torch.nn.Module) -> ModelShape:
             hasattr(obj, "expand_kv") for obj in vars(modeling).values() if isinstance(obj, type)):
         raise UnsupportedModelError(f"{name}: multi-head latent attention whose modeling code caches expanded K/V "
                                     f"(transformers {transformers.__version__}); the cache needs the latent, which "
-                                    "transformers 5.24 and later cache")
+                                    "the versions whose MLA attention has expand_kv cache (5.17 and 5.24 do)")
     v_head_dim = getattr(cfg, "v_head_dim", None)
     if shape.latent is None and v_head_dim is not None and {v_head_dim} != set(shape.head_dims):
         raise UnsupportedModelError(f"{name}: value head_dim {v_head_dim} differs from key head_dim "
