@@ -72,6 +72,8 @@ def evaluate_recall(
     ``random.Random(seed)``)."""
     if step < 1 or after < 1 or trials < 1:
         raise ValueError(f"step, after and trials must be >= 1; got {step}, {after}, {trials}")
+    if not depths or min(depths) < 0:
+        raise ValueError(f"depths must be text tokens before the list, >= 0; got {depths}")
     rng = random.Random(seed)
     needed = max(depths) + after
     pool = tokenizer(text[: 16 * needed * (trials + 1)], add_special_tokens=False)["input_ids"]

@@ -286,6 +286,8 @@ def test_recall_teacher_forces_the_text_token_by_token_past_the_list(monkeypatch
         assert layer.n_history > 0 and layer.n_sink + layer.n_history >= prefills[0]
     with pytest.raises(ValueError, match="fewer than"):
         evaluate_recall(model, char_tokenizer(), TEXT[:200], [80], ["bf16"], items=3, after=400)
+    with pytest.raises(ValueError, match="depths must be"):
+        evaluate_recall(model, char_tokenizer(), TEXT, [-5], ["bf16"], items=3, after=400)
 
 
 def test_niah_misses_count_only_needles_the_reference_found():
