@@ -21,7 +21,7 @@ graph per model step under ``torch.compile``). ``update`` returns :class:`OscarK
 the ``"oscar"`` attention function reads the storage through them. Sliding-window and chunked-attention layers keep
 transformers' own layer (sliding ones are OSCAR layers too with ``quantize_sliding``: :class:`SlidingOscarLayer`);
 linear-attention and state-space layers keep transformers' state layer, and a layer with both keeps its state beside
-its OSCAR storage.
+its OSCAR storage. Under tensor parallelism each rank's cache holds the KV heads that rank computes.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from .kernels.decode import launch as decode_launch
 from .kernels.dequantize.reference import dequantize_history, materialize, unrotate
 from .kernels.flags import raise_for_flags
 from .model_support import ModelShape, check_model_supported
+from .parallel import TensorParallel
 from .quantizer import QuantizedRows, quantize
 from .rotations import OscarRotations
 
@@ -253,6 +254,7 @@ class OscarLayer(_GrowingLayer):
     is_croppable = True
     max_cache_len: int | None = None
     graph_step = False  # decode steps as device-only operators
+    tensor_parallel: TensorParallel | None = None  # set by the cache for a tensor-parallel model
 
     def __init__(self, config: OscarConfig, key_rotation: torch.Tensor, value_rotation: torch.Tensor):
         """``key_rotation``, ``value_rotation``: the layer's ``[D, D]`` (shared by its KV heads) or ``[H, D, D]`` (one
@@ -298,12 +300,25 @@ class OscarLayer(_GrowingLayer):
             return self.key_rotation if self.rotates_keys else None
         return self.value_rotation if self.rotates_values else None
 
+    def _keep_own_heads(self, heads: int) -> None:
+        """Per-head rotations cut to the ``heads`` KV heads this rank holds, where the model's tensor-parallel ranks
+        split the layer's heads."""
+        tp = self.tensor_parallel
+        for name in ("key_rotation", "value_rotation"):
+            rotation = getattr(self, name)
+            if tp is not None and rotation.ndim == 3 and rotation.shape[0] == heads * tp.size != heads:
+                setattr(self, name, rotation[tp.heads(rotation.shape[0])])
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, dim = key_states.shape
+        self._keep_own_heads(heads)
         for rotation in (self.key_rotation, self.value_rotation):
             if rotation.shape[-1] != dim or (rotation.ndim == 3 and rotation.shape[0] != heads):
-                raise ValueError(f"a rotation {tuple(rotation.shape)} does not fit K/V of {heads} heads of "
-                                 f"head_dim {dim}")
+                raise ValueError(
+                    f"a rotation {tuple(rotation.shape)} does not fit K/V of {heads} heads of head_dim {dim}"
+                    + ("" if self.tensor_parallel is not None or rotation.ndim != 3 else
+                       " (a model loaded with tp_plan holds a share of the heads on each rank: build the cache with "
+                       "OscarQuantizedCache.from_pretrained(..., model=model), or pass tensor_parallel=)"))
         self.dtype, self.device = key_states.dtype, key_states.device
         self._packed = None
         cfg = self.config
@@ -1087,6 +1102,9 @@ class OscarQuantizedCache(Cache):
         model_config: the model's config (its text config is used for composite models).
         rotations: an OscarRotations bundle that fits the model.
         config: storage settings; defaults to the bundle's recommended config, else OscarConfig().
+        tensor_parallel: where the model is tensor-parallel (``tp_plan``), this process's place in its mesh, as a
+            :class:`~oscar_hf.parallel.TensorParallel` or ``(rank, size)``: each rank stores the KV heads it computes,
+            with its slice of per-head rotations. ``from_pretrained`` reads it from the model.
         max_cache_len: the most tokens a sequence will hold (prompt + new tokens), or None (grow as needed).
             With it, every buffer is allocated at its final size on the first update and the attention mask
             has a fixed size, so the cache is compileable: on CUDA, ``generate`` then compiles the model
@@ -1102,6 +1120,7 @@ class OscarQuantizedCache(Cache):
         rotations: OscarRotations,
         config: OscarConfig | None = None,
         max_cache_len: int | None = None,
+        tensor_parallel: TensorParallel | tuple[int, int] | None = None,
         **config_overrides,
     ):
         if max_cache_len is not None and (isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int)
@@ -1142,6 +1161,11 @@ class OscarQuantizedCache(Cache):
                                  "unless quantize_sliding)")
         build = _LayerBuilder(config, rotations, shape, max_cache_len, quantize_sliding)
         layers = [build(i) for i in range(shape.num_layers)]
+        if tensor_parallel is not None and not isinstance(tensor_parallel, TensorParallel):
+            tensor_parallel = TensorParallel(*tensor_parallel)
+        for layer in layers:
+            if isinstance(layer, OscarLayer):
+                layer.tensor_parallel = tensor_parallel
         super().__init__(layers=layers)
         self.config = config
         self.rotations = rotations
@@ -1181,7 +1205,8 @@ class OscarQuantizedCache(Cache):
                 else OscarRotations.from_pretrained(src, subfolder=subfolder, revision=revision)
             )
         enable(model)
-        return cls(model.config, rotations, max_cache_len=max_cache_len, **config_overrides)
+        return cls(model.config, rotations, max_cache_len=max_cache_len, tensor_parallel=TensorParallel.of(model),
+                   **config_overrides)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
@@ -1203,7 +1228,7 @@ class OscarQuantizedCache(Cache):
     @property
     def nbytes(self) -> int:
         """Bytes of every tensor the cache holds (capacity included, linear-attention and state-space layers' states
-        too), read from the tensors."""
+        too), read from the tensors; under tensor parallelism, this rank's."""
         total = 0
         for layer in self.layers:
             if isinstance(layer, OSCAR_LAYERS):

@@ -11,10 +11,14 @@ and KV head), eigendecomposed, and composed as ``R = U·H·P``: eigenvectors, no
 bit-reversal permutation by eigenvalue rank.
 
 Data-parallel with accelerate: each process takes a contiguous share of the chunks and the sums
-are reduced with ``reduction="sum"``, so N processes give one process's result.
+are reduced with ``reduction="sum"``, so N processes give one process's result. A model loaded with
+``tp_plan`` (tensor-parallel over every process) instead runs every chunk on every rank, as its
+all-reduces need, and the capture gathers each rank's heads: every rank computes the whole bundle.
 """
 
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import torch
 from tqdm.auto import tqdm
@@ -23,6 +27,7 @@ from .capture import run_capture
 from .config import OscarConfig
 from .diagnostics import diagnose
 from .model_support import check_model_supported
+from .parallel import TensorParallel
 from .rotations import OscarRotations, hadamard_matrix
 from .tokens import bos_prefix, prefixed_chunks, text_tokens_in
 
@@ -119,10 +124,10 @@ class MomentObserver:
             self._add(f"{layer_idx}.wsum", weights.sum(dim=(0, 2)))
 
 
-def _reduce(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _reduce(sums: dict[str, torch.Tensor], data_parallel: bool) -> dict[str, torch.Tensor]:
     from accelerate.utils import reduce
 
-    if _state().num_processes == 1:
+    if not data_parallel:
         return sums
     return dict(reduce(dict(sorted(sums.items())), reduction="sum"))
 
@@ -216,9 +221,22 @@ def _paragraph_pieces(text: str, size: int = 16384):
         start = end
 
 
+def _data_parallel(model) -> bool:
+    """Whether the processes split the chunks (several processes, the model whole on each), or each runs them all
+    (one process, or a tensor-parallel model over all of them)."""
+    processes = _state().num_processes
+    tp = TensorParallel.of(model)
+    if tp is None:
+        return processes > 1
+    if tp.size != processes:
+        raise ValueError(f"calibration runs a tensor-parallel model over all its processes: the model's mesh has "
+                         f"{tp.size} ranks and there are {processes} processes")
+    return False
+
+
 def _forward_all(model, observer, chunks, batch_size: int, desc: str, show_progress: bool) -> None:
     state = _state()
-    with state.split_between_processes(chunks) as mine:
+    with (state.split_between_processes(chunks) if _data_parallel(model) else nullcontext(chunks)) as mine:
         bar = tqdm(
             total=sum(c.numel() for c in mine),
             unit="tok",
@@ -297,11 +315,12 @@ def calibrate(
     chunks, held_out = token_chunks(tokenizer, texts, num_tokens, max_length, diagnostic_tokens)
     used = sum(c.numel() for c in chunks)
 
-    device = _state().device if _state().num_processes > 1 else model.device
+    data_parallel = _data_parallel(model)
+    device = _state().device if data_parallel else model.device
     moments = MomentObserver((k_target, v_target), shape, device)
     if moments.wanted or shape.latent is not None:
         _forward_all(model, moments, chunks, batch_size, "calibrate (pass 1)", show_progress)
-    sums = _reduce(moments.sums)
+    sums = _reduce(moments.sums, data_parallel)
     groups = [shape.num_heads // h for h in shape.kv_heads]  # query heads per KV head, by layer
     # the layers with K/V of their own: not linear-attention or state-space layers, nor KV-sharing ones (whose
     # queries count towards the layer they read)
@@ -311,7 +330,7 @@ def calibrate(
         query_cov = {i: sums[f"{i}.qq"] / (sums[f"{i}.tokens"] * groups[i]) for i in layers}
         weighted = MomentObserver((), shape, device, query_cov=query_cov)
         _forward_all(model, weighted, chunks, batch_size, "calibrate (pass 2)", show_progress)
-        sums.update(_reduce(weighted.sums))
+        sums.update(_reduce(weighted.sums, data_parallel))
 
     def covariances(layer: int, target: str) -> list[torch.Tensor]:
         """The layer's covariances ``[D, D]`` of ``target``: one per KV head, or their mean. A latent attention

@@ -4,6 +4,7 @@ to disk.
 :func:`run_capture` runs a forward with ``CaptureCache`` (which stores nothing) and calibration's own attention
 function, ``"oscar_capture"``: its layers hand K/V to it as :class:`CapturedKV`, and it calls the observer's
 ``observe`` with the query, K, V and the attention output of every layer, then returns the normal sdpa result.
+Under tensor parallelism the observer gets every head on every rank (the ranks' shares gathered).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from .model_support import ModelShape, cache_kwargs, check_model_supported
+from .parallel import TensorParallel
 
 CAPTURE_IMPLEMENTATION = "oscar_capture"
 
@@ -51,20 +53,25 @@ class CapturedKV:
         if query.shape[2] != self.states.shape[2]:
             return out, None
         scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-        self.layer.observer.observe(
-            self.layer.layer_idx, query, self.states, value.states, out.transpose(1, 2), scaling
-        )
+        tensors = (query, self.states, value.states, out.transpose(1, 2))
+        tp, (kv_heads, heads) = self.layer.tensor_parallel, self.layer.heads
+        if tp is not None:  # the observer sees every head, on every rank
+            tensors = [tp.all_heads(x, total) for x, total in zip(tensors, (heads, kv_heads, kv_heads, heads))]
+        self.layer.observer.observe(self.layer.layer_idx, *tensors, scaling)
         return out, None
 
 
 class CaptureLayer(CacheLayerMixin):
-    """A cache layer that keeps nothing: every forward is a fresh, unpadded sequence."""
+    """A cache layer that keeps nothing: every forward is a fresh, unpadded sequence. ``heads``: the layer's (KV heads,
+    query heads) in the whole model; ``tensor_parallel``: the model's, where its ranks split them."""
 
     is_sliding = False
 
-    def __init__(self, observer: Observer, layer_idx: int):
+    def __init__(self, observer: Observer, layer_idx: int, heads: tuple[int, int] = (0, 0),
+                 tensor_parallel: TensorParallel | None = None):
         super().__init__()
         self.observer, self.layer_idx = observer, layer_idx
+        self.heads, self.tensor_parallel = heads, tensor_parallel
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.is_initialized = True
@@ -107,6 +114,9 @@ class LatentCaptureLayer(CaptureLayer):
             causal = rows[:, None] >= torch.arange(t, device=key.device)[None, :]
             logits = (q @ key.float().transpose(2, 3) * scaling).masked_fill(~causal, -torch.inf)
             weights += logits.softmax(-1).sum(dim=2).mean(dim=1)
+        tp = self.tensor_parallel
+        if tp is not None and tp.is_split(query.shape[1], self.heads[1]):
+            weights = tp.mean(weights)
         observe(self.layer_idx, self.latent, weights)
 
 
@@ -114,18 +124,19 @@ class CaptureCache(Cache):
     """The cache of a capture forward: a CaptureLayer per attention layer; transformers' state layer for a
     linear-attention or state-space layer (beside the CaptureLayer where a layer has both)."""
 
-    def __init__(self, observer: Observer, shape: ModelShape):
+    def __init__(self, observer: Observer, shape: ModelShape, tensor_parallel: TensorParallel | None = None):
         from .cache import _with_state
 
         layers = []
         attention = LatentCaptureLayer if shape.latent is not None else CaptureLayer
         for i in range(shape.num_layers):
+            args = (observer, i, (shape.kv_heads[i], shape.num_heads), tensor_parallel)
             if not shape.has_state(i):
-                layers.append(attention(observer, i))
+                layers.append(attention(*args))
             elif shape.attention(i) is None:
                 layers.append(cache_utils.LinearAttentionLayer(number_of_states=shape.states[i]))
             else:
-                layers.append(_with_state(attention)(observer, i, number_of_states=shape.states[i]))
+                layers.append(_with_state(attention)(*args, number_of_states=shape.states[i]))
         super().__init__(layers=layers)
 
 
@@ -166,7 +177,7 @@ def run_capture(model: torch.nn.Module, observer: Observer, input_ids: torch.Ten
     previous = _attention_implementations(model.config)
     model.set_attn_implementation(CAPTURE_IMPLEMENTATION)
     try:
-        cache = CaptureCache(observer, ModelShape.from_config(model.config))
+        cache = CaptureCache(observer, ModelShape.from_config(model.config), TensorParallel.of(model))
         token = _ACTIVE.set(cache)
         try:
             model(input_ids=input_ids.to(model.device), **cache_kwargs(model, cache), use_cache=True,
