@@ -6,6 +6,7 @@
                                                [--decodings generate,overlapped] [--tuning-timer steady|inductor]
                                                [--out DIR]
     PYTHONPATH=. python eval/bench_generate.py --smoke [--device cpu]   # tiny random models, < 1 minute on a CPU
+    PYTHONPATH=. torchrun --nproc_per_node N eval/bench_generate.py --tp N [...]   # tensor-parallel over N GPUs
 
 Models: random-weight bf16 models of real shapes (Qwen3-8B, Llama-3.1-8B) built from their configs directly on the
 device (transformers' own init: normal std 0.02, norms at 1); every case checks that no logit is NaN or +inf.
@@ -69,6 +70,14 @@ Several GPUs (``--gpus N``): the decoder layers are split evenly over GPUs 0..N-
 (the placement ``device_map`` gives), each cache layer lives on its attention layer's GPU, and the cache is filled
 there; timestamps are CUDA events on the first GPU, which waits for the last one's logits every step.
 
+Tensor parallelism (``--tp N``, under ``torchrun --nproc_per_node N``): every rank loads the model with
+transformers' ``tp_plan="auto"`` (its attention heads and MLP split over the N GPUs, an all-reduce after each), from
+a folder holding the config and no weights, so that transformers initializes each rank's shards (random weights, as
+above). Each rank's cache holds its KV heads (the OSCAR cache reads the rank from the model); every rank runs the same
+generate, and rank 0 times it on its GPU and writes the results. Memory columns (``cache_gb``, ``peak_mem_gb``, ...)
+are rank 0's GPU; the ``tp`` column says over how many GPUs. Models with multi-head latent attention are refused
+(transformers' plans do not split it).
+
 Prefill (``prefill_s``): a real ``generate(max_new_tokens=1)`` over T random tokens at batch 1, and at the grid's
 second batch (8) for the shortest T, eager for every method (``disable_compile``); it is retried with
 ``prefill_chunk_size`` when it runs out of memory. The LM head must compute one position per forward
@@ -105,9 +114,12 @@ import functools
 import gc
 import itertools
 import math
+import os
 import statistics
+import tempfile
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -140,6 +152,7 @@ from oscar_hf import (
 from oscar_hf.evaluation.environment import GIB, GPU_STATE, device_slug, environment, gpu_state
 from oscar_hf.evaluation.methods import METHODS, Method, make_cache
 from oscar_hf.generation import deferred_stop_check
+from oscar_hf.parallel import TensorParallel
 
 TUNING_TIMERS = ("steady", "inductor")  # --tuning-timer: how inductor's kernel tuning times a candidate config
 TUNING_LEAD_CYCLES = 400_000  # the GPU's spin before each call the steady timer times (~200 µs at 2 GHz)
@@ -200,6 +213,7 @@ class Profile:
     fill_chunk_bytes: int  # K+V bytes per cache.update when filling a cache
     budget_s: float  # no case starts later than this, counted from the end of the imports (~15 s on a GPU host)
     gpus: int = 1  # the model's layers split evenly over this many GPUs (accelerate.dispatch_model)
+    tp: int = 1  # tensor-parallel over this many GPUs (tp_plan="auto", one torchrun process each)
     capacity: bool = True  # run the capacity search
     prefill: bool = True  # run the prefill cases
     kernels: int = 0  # print this many of the compiled forward's longest kernels (0: none)
@@ -340,32 +354,42 @@ DEFAULT_METHODS = ("oscar", "oscar+compiled", "oscar+absorbed+compiled", "oscar-
 CAPACITY_METHODS = ("oscar", "bf16")
 DECODINGS = {"generate": None, "overlapped": overlapped_sample}  # name: generate's custom_generate
 
-COLUMNS = ["model", "method", "kind", "T", "batch", "decoding", "prefill_s", "prefill_chunk", "decode_tok_s",
+COLUMNS = ["model", "method", "kind", "tp", "T", "batch", "decoding", "prefill_s", "prefill_chunk", "decode_tok_s",
            "ms_per_step", "ms_per_step_median", "ms_per_step_max", "forward_ms", "compile_s", "fill_s", "generate_s",
            "compiled", "graphs", "base_mem_gb", "peak_mem_gb", "cache_gb", "state_gb", "stop_check", "gc_ms",
            *GPU_STATE,
            "status", "prefill_status"]
-TABLE = ["model", "method", "kind", "T", "batch", "decoding", "prefill_s", "decode_tok_s", "ms_per_step", "forward_ms",
-         "compile_s", "peak_mem_gb", "cache_gb", "status"]
+TABLE = ["model", "method", "kind", "tp", "T", "batch", "decoding", "prefill_s", "decode_tok_s", "ms_per_step",
+         "forward_ms", "compile_s", "peak_mem_gb", "cache_gb", "status"]
 LOG: list[str] = []
 
 
+def is_main() -> bool:
+    """Whether this process reports (the only one, or tensor-parallel rank 0)."""
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
 def say(line: str) -> None:
-    """Print a progress line now, and keep it for the .log file."""
-    print(line, flush=True)
-    LOG.append(line)
+    """Print a progress line now, and keep it for the .log file (rank 0 only under --tp)."""
+    if is_main():
+        print(line, flush=True)
+        LOG.append(line)
 
 
 # ------------------------------------------------------------------------------------------------ setup
-def build_model(name: str, device: torch.device, gpus: int = 1) -> torch.nn.Module:
+def build_model(name: str, device: torch.device, gpus: int = 1, tp: int = 1) -> torch.nn.Module:
     """A random-weight bf16 ``MODELS[name]``, initialized directly on ``device``, in eval mode; with ``gpus > 1``
     its decoder layers are then split evenly over GPUs 0..gpus-1 (embeddings on the first, norm and LM head on the
-    last), as ``device_map`` would place them."""
+    last), as ``device_map`` would place them; with ``tp > 1``, tensor-parallel (``tp_plan="auto"``: module
+    docstring)."""
     config_class, fields = MODELS[name]
     config = getattr(transformers, config_class)(**fields)
     torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    if tp > 1:
+        model = tensor_parallel_model(name, config)
+    else:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     if not model._supports_logits_to_keep():
         raise RuntimeError(f"{name}: forward takes no logits_to_keep, so generate would compute logits over the prompt")
     model.generation_config.pad_token_id = 0
@@ -374,6 +398,30 @@ def build_model(name: str, device: torch.device, gpus: int = 1) -> torch.nn.Modu
 
         model = dispatch_model(model, device_map=split_map(config.num_hidden_layers, gpus))
     return model.eval()
+
+
+def tensor_parallel_model(name: str, config) -> torch.nn.Module:
+    """``config``'s model loaded with ``tp_plan="auto"`` from a folder of this rank holding the config and a
+    weights file with no tensors: transformers initializes every shard where it lives (no 16 GB checkpoint to write
+    and read)."""
+    from safetensors.torch import save_file
+
+    if ModelShape.from_config(config).latent is not None:
+        raise ValueError(f"{name}: transformers' tensor-parallel plans do not split multi-head latent attention")
+    folder = Path(tempfile.gettempdir()) / f"bench-generate-{name}-rank{os.environ.get('RANK', '0')}"
+    folder.mkdir(exist_ok=True)
+    config.save_pretrained(folder)
+    save_file({}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with warnings.catch_warnings(), transformers.logging.set_verbosity_error() or contextlib.nullcontext():
+        warnings.simplefilter("ignore")
+        return AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=torch.bfloat16,
+                                                    attn_implementation="sdpa")
+
+
+def local_shape(model: torch.nn.Module) -> ModelShape:
+    """The model's shape with the KV heads this process holds (a 1/N share of each layer's under --tp N)."""
+    shape, tp = ModelShape.from_config(model.config), TensorParallel.of(model)
+    return shape if tp is None else replace(shape, kv_heads=tuple(h // tp.size for h in shape.kv_heads))
 
 
 def split_map(layers: int, gpus: int) -> dict[str, int]:
@@ -738,14 +786,16 @@ def fill_cache(cache, shape: ModelShape, batch: int, tokens: int, chunk_bytes: i
 
 
 def random_ids(model: torch.nn.Module, batch: int, tokens: int) -> torch.Tensor:
-    return torch.randint(model.config.vocab_size, (batch, tokens), device=model.device)
+    """Random token ids, the same on every tensor-parallel rank (which must run the same inputs)."""
+    generator = torch.Generator().manual_seed(batch * 1_000_003 + tokens)
+    return torch.randint(model.config.vocab_size, (batch, tokens), generator=generator).to(model.device)
 
 
 def measure_decode(model: torch.nn.Module, method: BenchMethod, length: int, batch: int, profile: Profile,
                    decoding: str) -> dict:
     """Fill a fresh ``method`` cache with ``length`` tokens at ``batch``, then time generate's decode steps over it
     (with ``DECODINGS[decoding]`` as its custom_generate)."""
-    device, shape = clock_device(model), ModelShape.from_config(model.config)
+    device, shape = clock_device(model), local_shape(model)
     new_tokens = profile.warmup + profile.steps + 1
     base = memory_gib(model, torch.cuda.memory_allocated)
     replays = profile.steps + 1 + (KERNEL_CALLS if profile.kernels else 0)
@@ -862,7 +912,7 @@ def decode_case(model: torch.nn.Module, method: BenchMethod, length: int, batch:
     if out_of_time(profile):
         return {"status": "skipped: time budget"}
     if model.device.type == "cuda":
-        shape = ModelShape.from_config(model.config)
+        shape = local_shape(model)
         elements = sum(kv_elements(shape, layer) for layer in range(shape.num_layers)) * length * batch
         needed, free = method.bits(shape, length) * elements / 8 / GIB, free_gib(model)
         if needed > free:
@@ -931,8 +981,9 @@ def bench_model(name: str, methods: list[BenchMethod], profile: Profile, device:
     That puts the large batches last, and makes torch.compile build three graphs per model (static shapes; batch 1 and
     any T; any batch and T) where an order by cache size would make four."""
     start = time.perf_counter()
-    model = build_model(name, device, profile.gpus)
-    where = f"{profile.gpus} GPUs" if profile.gpus > 1 else device
+    model = build_model(name, device, profile.gpus, profile.tp)
+    where = (f"{profile.gpus} GPUs" if profile.gpus > 1 else f"{profile.tp} GPUs, tensor-parallel" if profile.tp > 1
+             else device)
     say(f"built {name} on {where} in {time.perf_counter() - start:.1f} s "
         f"({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters)")
     grid = {}
@@ -941,7 +992,7 @@ def bench_model(name: str, methods: list[BenchMethod], profile: Profile, device:
         use_attention(model, method)
         for (length, batch), decoding in itertools.product(cases, profile.decodings):
             row = {"model": name, "method": method.name, "kind": "grid", "T": length, "batch": batch,
-                   "decoding": decoding}
+                   "decoding": decoding, "tp": profile.tp}
             grid[method.name, length, batch, decoding] = row
             row.update(decode_case(model, method, length, batch, profile, decoding))
             progress(row, DECODE_FIELDS)
@@ -1014,7 +1065,7 @@ def plot(rows: list[dict], path: Path, profile: Profile, title: str) -> None:
 def write_results(rows: list[dict], env: dict, profile: Profile, out: Path, smoke: bool) -> None:
     """The CSV, the .log (progress and table) and the plot, named after the device."""
     out.mkdir(parents=True, exist_ok=True)
-    slug = device_slug(env) + ("-smoke" if smoke else "")
+    slug = device_slug(env) + (f"-tp{profile.tp}" if profile.tp > 1 else "") + ("-smoke" if smoke else "")
     path = out / f"bench_generate_{slug}.csv"
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS + list(env), extrasaction="ignore")
@@ -1078,6 +1129,8 @@ def parse_args() -> argparse.Namespace:
                    "on a CPU (longer on a GPU, where it also compiles)")
     p.add_argument("--device", help="cuda or cpu (default: cuda if available; only --smoke runs on the CPU)")
     p.add_argument("--gpus", type=positive, help="split each model's layers over this many GPUs (default 1)")
+    p.add_argument("--tp", type=positive, help="tensor-parallel over this many GPUs, one torchrun process each "
+                   "(torchrun --nproc_per_node N ... --tp N); no capacity search")
     p.add_argument("--no-capacity", dest="capacity", action="store_false", default=None,
                    help="skip the capacity search")
     p.add_argument("--no-prefill", dest="prefill", action="store_false", default=None,
@@ -1098,8 +1151,17 @@ def parse_args() -> argparse.Namespace:
         p.error("the full benchmark needs a CUDA GPU (--smoke runs on the CPU)")
     if (args.gpus or 1) > max(1, torch.cuda.device_count()):
         p.error(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} CUDA devices")
+    if (args.tp or 1) != int(os.environ.get("WORLD_SIZE", "1")):
+        p.error(f"--tp {args.tp or 1} under {os.environ.get('WORLD_SIZE', 'no')} torchrun processes: run it as "
+                "torchrun --nproc_per_node N eval/bench_generate.py --tp N")
+    if args.tp and args.gpus:
+        p.error("--tp and --gpus split a model two ways: give one")
+    if args.tp and args.tp > 1:
+        if args.capacity:
+            p.error("--tp runs no capacity search (a rank out of memory alone would stall the others)")
+        args.capacity = False
     overrides = {k: getattr(args, k) for k in ("models", "lengths", "batches", "steps", "warmup", "budget_s", "gpus",
-                                             "capacity", "prefill", "kernels", "decodings")}
+                                             "tp", "capacity", "prefill", "kernels", "decodings")}
     args.profile = replace(SMOKE if args.smoke else FULL, **{k: v for k, v in overrides.items() if v is not None})
     return args
 
@@ -1126,7 +1188,8 @@ def main() -> None:
         except Exception:  # a model that cannot be built must not end the run
             say(f"{name}: FAILED\n{traceback.format_exc()}")
         free_memory()
-    write_results(rows, env, profile, Path(args.out), args.smoke)
+    if is_main():
+        write_results(rows, env, profile, Path(args.out), args.smoke)
 
 
 if __name__ == "__main__":

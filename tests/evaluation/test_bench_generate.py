@@ -76,6 +76,34 @@ def test_smoke_run_writes_every_row_with_finite_numbers(tmp_path):
     assert "tuning_timer=inductor" in log and all(r["tuning_timer"] == "inductor" for r in rows)  # steady: GPU only
 
 
+def test_tensor_parallel_smoke_run_on_two_processes(tmp_path):
+    """--tp 2 under torchrun (gloo on the CPU): each rank's cache holds half the KV heads, and rank 0 alone writes a
+    row per case that says tp=2."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(free_port()), str(SCRIPT), "--smoke", "--device", "cpu", "--tp", "2",
+               "--no-capacity", "--no-prefill", "--models", "qwen3-tiny", "--methods", "oscar,bf16",
+               "--lengths", "300", "--batches", "2", "--out", str(tmp_path)]
+    run = subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    with open(tmp_path / "bench_generate_cpu-tp2-smoke.csv") as f:
+        rows = {r["method"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"oscar", "bf16"}
+    for row in rows.values():
+        assert row["status"] == "ok" and row["tp"] == "2" and float(row["decode_tok_s"]) > 0, row
+    # one KV head of qwen3-tiny's two per rank: bf16 holds 2 layers x K and V x 1 head x 64 x 2 bytes per token
+    tokens = 300 + bench.SMOKE.warmup + bench.SMOKE.steps + 1
+    assert float(rows["bf16"]["cache_gb"]) * bench.GIB == 2 * 2 * 2 * 64 * 2 * tokens
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_steady_tuning_timer_times_the_gpu_work_and_not_the_hosts(monkeypatch):
     """The steady timer times a call's GPU work as inductor's timer does (a ~50 µs spin), and a call whose host side

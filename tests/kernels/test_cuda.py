@@ -202,6 +202,40 @@ def test_layers_split_over_two_gpus_generate_like_one(tmp_path):
     torch.testing.assert_close(runs["two"][0][:, :3], runs["one"][0][:, :3], rtol=0, atol=2e-2)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_tensor_parallel_over_two_gpus_generates_like_one_gpu_and_a_device_map(tmp_path):
+    """tp_plan="auto" over two GPUs (NCCL), bf16, the Triton kernels: each rank's cache holds its KV head with its
+    per-head rotation, and the logits match one GPU's and a device_map split's; calibration (float32) on the two ranks
+    gives one GPU's bundle."""
+    from parallel.tp_worker import CACHE_SETTINGS, calibrate_both, launch, run_cache
+    from transformers import AutoModelForCausalLM
+
+    make_model("qwen3-gqa-qknorm-d128", dtype=torch.bfloat16, num_hidden_layers=4).save_pretrained(tmp_path / "model")
+    rotations = per_head_rotations(make_model("qwen3-gqa-qknorm-d128", num_hidden_layers=4).config)
+    rotations.save_pretrained(tmp_path / "per-head")
+    ranks = launch(tmp_path / "model", tmp_path, "bfloat16", [tmp_path / "per-head"])
+    split_map = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 0, "model.layers.2": 1,
+                 "model.layers.3": 1, "model.norm": 1, "model.rotary_emb": 1, "lm_head": 1}
+    for device_map in ({"": 0}, split_map):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.bfloat16, device_map=device_map)
+        cache = OscarQuantizedCache.from_pretrained(rotations, model=model, **CACHE_SETTINGS)
+        logits, tokens = run_cache(model, cache)
+        assert cache.layers[0].n_history > 0
+        for outputs, _ in ranks:
+            error = (outputs["per-head.logits"] - logits).abs().max()
+            print(f"tensor parallel against {len(set(device_map.values()))} GPU(s): max |logit difference| {error:.4f}")
+            torch.testing.assert_close(outputs["per-head.logits"][:-4], logits[:-4], rtol=0, atol=5e-2)
+    one = calibrate_both(AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32,
+                                                              device_map={"": 0}))
+    for per_head, bundle in one.items():
+        two = OscarRotations.from_pretrained(tmp_path / f"calibrated-per-head-{per_head}")
+        for name in ("key_eigenvalues", "value_eigenvalues"):
+            for a, b in zip(getattr(two, name), getattr(bundle, name)):
+                torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6)
+        for a, b in zip(two.diagnostics, bundle.diagnostics):
+            assert a["score_kl"] == pytest.approx(b["score_kl"], rel=1e-2, abs=1e-6)
+
+
 def assert_stages_then_gemm(prof, stages: tuple[str, ...]) -> None:
     """The profiled GPU work is ``stages`` in order, then only the R_Vᵀ GEMM's kernels (cuBLAS may split it)."""
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]

@@ -1,32 +1,18 @@
 """Tensor parallelism (transformers' tp_plan) on two CPU processes (torchrun, gloo): the cache and calibration give
 what one process gives."""
 
-import json
-import socket
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from helpers import make_model
-from parallel.tp_worker import CACHE_SETTINGS, calibrate_both, run_cache
-from safetensors import safe_open
+from parallel.tp_worker import CACHE_SETTINGS, calibrate_both, launch, run_cache
 
 from oscar_hf import OscarQuantizedCache, OscarRotations
 from oscar_hf.cache import DynamicOscarLayer
 from oscar_hf.config import OscarConfig
 from oscar_hf.parallel import TensorParallel
 
-WORKER = Path(__file__).with_name("tp_worker.py")
 ARCH = "qwen2-gqa-bias-d64"  # 2 KV heads (1 per rank), 4 query heads, q/k/v biases split with their rows
 TOLERANCE = 1e-3  # logits of ~1: the ranks' all-reduces sum in another order than one process
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -38,16 +24,7 @@ def run(tmp_path_factory):
     bundles = calibrate_both(model)
     for per_head, rotations in bundles.items():
         rotations.save_pretrained(root / ("per-head" if per_head else "shared"))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(free_port()), str(WORKER), str(root / "model"), str(root),
-               str(root / "shared"), str(root / "per-head")]
-    env = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
-    ranks = []
-    for rank in range(2):
-        with safe_open(root / f"rank{rank}.safetensors", "pt") as f:
-            ranks.append(({k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()["nbytes"])))
+    ranks = launch(root / "model", root, "float32", [root / "shared", root / "per-head"])
     return root, model, bundles, ranks
 
 
