@@ -8,6 +8,7 @@ diagnostics).
 """
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -54,7 +55,9 @@ def launch(model_dir: Path, out: Path, dtype: str, bundles: list[Path]) -> list[
 
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                "--master_port", str(free_port()), __file__, str(model_dir), str(out), dtype, *map(str, bundles)]
-    env = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    root = str(Path(__file__).parents[2])  # oscar_hf, where it is not installed
+    env = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = []
