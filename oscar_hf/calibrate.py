@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from .capture import run_capture
 from .config import OscarConfig
 from .diagnostics import diagnose
+from .layout_choice import choose_layout as choose_layout_within
 from .model_support import check_model_supported
 from .parallel import TensorParallel
 from .rotations import OscarRotations, hadamard_matrix
@@ -275,6 +276,8 @@ def calibrate(
     config: OscarConfig | None = None,
     show_progress: bool = True,
     per_head: bool = False,
+    choose_layout: bool = False,
+    bit_budget: float | None = None,
 ) -> OscarRotations:
     """Make OSCAR rotations for ``model`` from its own activations on ``texts``.
 
@@ -293,6 +296,9 @@ def calibrate(
         per_head: one rotation per layer and KV head, each from its own head's covariance (K: its query group's
             queries, or its keys; V: its values, weighted by its own query covariance for "sst"), instead of one per
             layer from the covariance averaged over the KV heads.
+        choose_layout: choose the bundle's config (K per token or per channel, centering, and 4-bit K in the layers
+            where it pays) from diagnostics on the held-out tokens, within ``bit_budget`` history bits per element
+            (default: ``config`` at 2 bits): :mod:`oscar_hf.layout_choice`. Needs ``diagnostic_tokens > 0``.
     Returns:
         OscarRotations with float32 ``[layers, D, D]`` rotations (``[layers, H, D, D]`` per head) and ascending
         eigenvalues.
@@ -304,8 +310,13 @@ def calibrate(
     ):
         if value not in allowed:
             raise ValueError(f"{name} must be one of {allowed}; got {value!r}")
-    if not isinstance(per_head, bool):
-        raise ValueError(f"per_head must be True or False; got {per_head!r}")
+    for name, value in (("per_head", per_head), ("choose_layout", choose_layout)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False; got {value!r}")
+    if choose_layout and diagnostic_tokens < 1:
+        raise ValueError("choose_layout scores the layouts on held-out tokens: give diagnostic_tokens > 0")
+    if bit_budget is not None and not choose_layout:
+        raise ValueError("bit_budget is the budget of choose_layout=True")
     for name, value in (("num_tokens", num_tokens), ("max_length", max_length), ("batch_size", batch_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer; got {value!r}")
@@ -384,6 +395,8 @@ def calibrate(
         },
         config=config,
     )
+    if held_out and choose_layout:
+        return choose_layout_within(model, rotations, held_out, config, bit_budget)
     if held_out:
         rotations.diagnostics = diagnose(model, rotations, held_out, config)
     return rotations

@@ -108,6 +108,10 @@ def cmd_calibrate(args) -> None:
 
     if args.key_bits_fraction is not None and (args.key_bits is None or not 0 <= args.key_bits_fraction <= 1):
         raise SystemExit("error: --key-bits-fraction takes a number in [0, 1] and needs --key-bits")
+    if args.choose_layout and args.key_bits is not None:
+        raise SystemExit("error: --choose-layout chooses K's bits itself; leave out --key-bits")
+    if args.bit_budget is not None and not args.choose_layout:
+        raise SystemExit("error: --bit-budget is the budget of --choose-layout")
     recipe = None if args.recipe in ("auto", "none") else load_recipe(args.recipe)
     texts = load_texts(args.data)  # first: a missing file or package fails before the model loads
     model, tokenizer = load_model(args.model, args.dtype)
@@ -127,6 +131,8 @@ def cmd_calibrate(args) -> None:
         config=recipe.cache if recipe else None,
         batch_size=args.batch_size,
         diagnostic_tokens=args.diagnostic_tokens,
+        choose_layout=args.choose_layout,
+        bit_budget=args.bit_budget,
         **settings,
     )
     rotations.source_model = source_model_id(args.model)
@@ -178,6 +184,16 @@ def cmd_info(args) -> None:
         config = OscarConfig()
         print("no recommended config in the bundle; using OscarConfig() defaults")
     print(f"config: {json.dumps(config.to_dict())}")
+    layout = rotations.calibration.get("layout")
+    if layout:
+        more_bits = layout["key_bits_layers"]
+        print(f"layout chosen by calibration: {layout['chosen']}"
+              + (f", {config.key_bits}-bit K in layers {more_bits}" if more_bits else "")
+              + f" ({layout['history_bits']:.3f} history bits per element, budget {layout['budget_bits']:.3f})")
+        for name, score in layout["candidates"].items():
+            error = "over budget" if score["output_error"] is None else (
+                f"attention-output error {score['output_error']:.4g}, score KL {score['score_kl']:.4g}")
+            print(f"  {name:<28} {score['history_bits']:.3f} bits: {error}")
     for length in (4096, 32768, 131072):
         bits = [f"{config.bits_per_element(d, length, num_layers=rotations.num_layers):.3f}"
                 + (f" (head_dim {d})" if len(set(rotations.head_dims)) > 1 else "")
@@ -337,6 +353,11 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--key-bits-fraction", type=float, metavar="F",
                      help="with --key-bits: only in this fraction of the layers, those whose diagnostics show the "
                           "largest attention-score KL (default: every layer)")
+    cal.add_argument("--choose-layout", action="store_true",
+                     help="choose the bundle's config from the diagnostics (K per token or per channel, centering, "
+                          "4-bit K where it pays) within --bit-budget")
+    cal.add_argument("--bit-budget", type=float, metavar="BITS",
+                     help="with --choose-layout: history bits per element at most (default: the 2-bit layout's)")
     cal.add_argument("--batch-size", type=int, default=1, help="chunks per forward pass")
     cal.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=AUTO_DTYPE_HELP)
     cal.add_argument("--push-to-hub", metavar="REPO", help="also upload the bundle to this Hub repo (default: no)")

@@ -1,0 +1,107 @@
+"""The storage layout of a model, chosen by calibration from held-out diagnostics within a bit budget.
+
+Each candidate of ``LAYOUTS`` is a K layout (per token on the rotated keys, or per channel on the unrotated ones:
+KIVI's grid, which gives large constant key channels scales of their own) with or without centering. Every candidate
+within the budget is scored by the relative attention-output error its INT2 K and V cause on held-out chunks
+(:mod:`oscar_hf.diagnostics`, every layer and head; the error the next layer sees), and the lowest wins. Then, as long
+as the budget allows, the layers where the winner's keys change the attention most (score KL) get ``key_bits``-bit K.
+The bundle keeps the winner's config, its diagnostics, and every candidate's score under
+``calibration["layout"]``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from .config import OscarConfig
+from .diagnostics import diagnose, summarize
+from .model_support import ModelShape
+from .rotations import OscarRotations
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A candidate: OscarConfig fields, and whether K is stored rotated (per token) or in its own channels."""
+
+    name: str
+    overrides: dict
+    rotated_keys: bool = True
+
+
+PER_CHANNEL = {"key_quantization": "per-channel", "flush_tokens": 64, "k_clip": 1.0, "quantizer": "uniform"}
+LAYOUTS = (
+    Layout("per-token K, centered", {"key_quantization": "per-token", "centering": True}),
+    Layout("per-token K, uncentered", {"key_quantization": "per-token", "centering": False}),
+    Layout("per-channel K, V centered", {**PER_CHANNEL, "centering": True}, rotated_keys=False),
+    Layout("per-channel K, V uncentered", {**PER_CHANNEL, "centering": False}, rotated_keys=False),
+)
+TWO_BITS = {"bits": 2, "key_bits": None, "key_bits_layers": None}
+
+
+def history_bits(config: OscarConfig, rotations: OscarRotations) -> float:
+    """Bits per history element of ``config`` over the bundle's layers, weighted by each layer's K/V elements."""
+    layers = rotations.num_layers
+    weights = [h * d for h, d in zip(rotations.kv_heads, rotations.head_dims)]
+    bits = [config.for_layer(i).bits_per_element(d, num_layers=layers) for i, d in enumerate(rotations.head_dims)]
+    return sum(w * b for w, b in zip(weights, bits)) / sum(weights)
+
+
+def two_bit_budget(base: OscarConfig, rotations: OscarRotations) -> float:
+    """The default budget: what ``base`` costs with 2-bit K and V in every layer."""
+    return history_bits(base.replace(**TWO_BITS), rotations)
+
+
+def choose_layout(model, rotations: OscarRotations, chunks: list[torch.Tensor], base: OscarConfig | None = None,
+                  bit_budget: float | None = None, key_bits: int = 4) -> OscarRotations:
+    """``rotations`` with the layout that serves ``model`` best within ``bit_budget`` history bits per element
+    (default :func:`two_bit_budget`), measured on held-out token ``chunks`` (module docstring). Per-channel winners
+    get identity K rotations. ValueError when no candidate fits the budget."""
+    if not chunks:
+        raise ValueError("choosing a layout needs held-out tokens (calibrate with diagnostic_tokens > 0)")
+    if ModelShape.from_config(model.config).latent is not None:
+        raise ValueError("layout choice serves K/V layers; multi-head latent attention stores one latent per token")
+    base = (base or rotations.config or OscarConfig()).replace(**TWO_BITS)
+    budget = two_bit_budget(base, rotations) if bit_budget is None else float(bit_budget)
+    scores, runs = {}, {}
+    for layout in LAYOUTS:
+        config = base.replace(**layout.overrides)
+        bits = history_bits(config, rotations)
+        if bits > budget + 1e-9:
+            scores[layout.name] = {"history_bits": bits, "output_error": None, "score_kl": None}
+            continue
+        bundle = rotations if layout.rotated_keys else rotations.with_identity_keys()
+        diagnostics = diagnose(model, bundle, chunks, config)
+        mean = summarize(diagnostics)
+        scores[layout.name] = {"history_bits": bits, "output_error": mean["output_error"], "score_kl": mean["score_kl"]}
+        runs[layout.name] = (config, bundle, diagnostics)
+    if not runs:
+        cheapest = min(score["history_bits"] for score in scores.values())
+        raise ValueError(f"no layout fits a budget of {budget:.3f} history bits per element (the cheapest takes "
+                         f"{cheapest:.3f})")
+    name = min(runs, key=lambda n: scores[n]["output_error"])
+    config, bundle, diagnostics = runs[name]
+    config = _more_key_bits(config, rotations, diagnostics, budget, key_bits)
+    if config.key_bits_layers:
+        diagnostics = diagnose(model, bundle, chunks, config)
+    chosen = copy.copy(bundle)  # a new bundle (with_identity_keys made one already; this copies the other)
+    chosen.config, chosen.diagnostics = config, diagnostics
+    chosen.calibration = {**rotations.calibration, "layout": {
+        "chosen": name, "budget_bits": budget, "history_bits": history_bits(config, rotations),
+        "key_bits_layers": config.key_bits_layers or [], "candidates": scores}}
+    return chosen
+
+
+def _more_key_bits(config: OscarConfig, rotations: OscarRotations, diagnostics: list[dict], budget: float,
+                   key_bits: int) -> OscarConfig:
+    """``config`` with ``key_bits``-bit K in the layers of largest score KL, one by one while within ``budget``."""
+    ranked = [row["layer"] for row in sorted(diagnostics, key=lambda row: row["score_kl"], reverse=True)]
+    layers: list[int] = []
+    for layer in ranked:
+        trial = config.replace(key_bits=key_bits, key_bits_layers=sorted([*layers, layer]))
+        if history_bits(trial, rotations) > budget + 1e-9:
+            break
+        layers.append(layer)
+    return config.replace(key_bits=key_bits, key_bits_layers=sorted(layers)) if layers else config

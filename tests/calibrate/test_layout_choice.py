@@ -1,0 +1,105 @@
+"""Calibration's layout choice (oscar_hf.layout_choice): candidates scored on held-out tokens, the best within the
+bit budget kept in the bundle's config, 4-bit K where the budget allows, shown by `oscar-hf info`."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import make_model, quick_calibrate, token_ids
+
+from oscar_hf import OscarQuantizedCache, OscarRotations, layout_choice
+from oscar_hf.cli import cmd_info
+from oscar_hf.layout_choice import LAYOUTS, choose_layout, history_bits
+
+ARCH = "qwen2-gqa-bias-d64"
+
+
+def outlier_model():
+    """Keys with large near-constant channels, as Qwen2's: K biases on the lowest RoPE frequency (channels 30, 31 of
+    each head rotate by ~1e-4 rad per token)."""
+    model = make_model(ARCH)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            bias = layer.self_attn.k_proj.bias.view(2, 64)
+            bias[:, 31], bias[:, 30] = 30.0, -20.0
+    return model
+
+
+@pytest.fixture(scope="module")
+def planted():
+    model = outlier_model()
+    ids = token_ids(6, 64)
+    return model, quick_calibrate(model, ids[:3], num_tokens=192), list(ids[3:])
+
+
+def test_the_choice_is_the_candidate_of_least_error_and_avoids_the_planted_failure(planted):
+    model, rotations, held_out = planted
+    chosen = choose_layout(model, rotations, held_out)
+    layout = chosen.calibration["layout"]
+    scores = layout["candidates"]
+    assert set(scores) == {c.name for c in LAYOUTS}
+    assert layout["chosen"] == min(scores, key=lambda name: scores[name]["output_error"])
+    # uncentered per-token keys carry the constant channels in every token's grid: the choice leaves them
+    assert layout["chosen"] != "per-token K, uncentered"
+    assert scores["per-token K, uncentered"]["output_error"] > 1.2 * scores[layout["chosen"]]["output_error"]
+    winner = next(c for c in LAYOUTS if c.name == layout["chosen"])
+    for field, value in winner.overrides.items():
+        assert getattr(chosen.config, field) == value
+    assert layout["budget_bits"] == layout["history_bits"] == 2.5 and layout["key_bits_layers"] == []
+    assert chosen.config.key_bits is None and chosen.diagnostics and rotations.calibration.get("layout") is None
+
+
+def test_a_per_channel_choice_stores_keys_unrotated_and_generates(planted, monkeypatch):
+    model, rotations, held_out = planted
+    monkeypatch.setattr(layout_choice, "LAYOUTS", LAYOUTS[2:3])
+    chosen = choose_layout(model, rotations, held_out)
+    assert chosen.config.key_quantization == "per-channel" and chosen.config.flush_tokens == 64
+    for rotation in chosen.key_rotation:
+        torch.testing.assert_close(rotation, torch.eye(64))
+    torch.testing.assert_close(chosen.value_rotation[0], rotations.value_rotation[0])
+    cache = OscarQuantizedCache.from_pretrained(chosen, model=model, sink_tokens=4, recent_tokens=16)
+    out = model.generate(token_ids(1, 150), past_key_values=cache, max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 154) and cache.layers[0].n_history > 0
+
+
+def test_a_larger_budget_buys_4_bit_keys_in_the_layers_of_largest_score_kl(planted):
+    model, rotations, held_out = planted
+    chosen = choose_layout(model, rotations, held_out, bit_budget=3.2)
+    layout = chosen.calibration["layout"]
+    assert chosen.config.key_bits == 4 and len(chosen.config.key_bits_layers) == 1  # 3.0 bits; both layers: 3.5
+    assert layout["history_bits"] == history_bits(chosen.config, chosen) == 3.0
+    winner = layout["candidates"][layout["chosen"]]
+    base = choose_layout(model, rotations, held_out)
+    ranked = sorted(base.diagnostics, key=lambda row: row["score_kl"], reverse=True)
+    assert chosen.config.key_bits_layers == [ranked[0]["layer"]] and winner["history_bits"] == 2.5
+
+
+def test_a_budget_below_every_layout_is_refused(planted):
+    model, rotations, held_out = planted
+    with pytest.raises(ValueError, match="no layout fits a budget of 2.000"):
+        choose_layout(model, rotations, held_out, bit_budget=2.0)
+
+
+def test_calibrate_chooses_on_its_held_out_tokens_and_info_shows_the_choice(tmp_path, capsys):
+    model = outlier_model()
+    rotations = quick_calibrate(model, token_ids(4, 64), max_length=64, num_tokens=128, diagnostic_tokens=128,
+                                choose_layout=True, bit_budget=3.2)
+    assert rotations.calibration["layout"]["budget_bits"] == 3.2 and rotations.config.key_bits_layers
+    rotations.save_pretrained(tmp_path)
+    assert OscarRotations.from_pretrained(tmp_path).config == rotations.config
+    cmd_info(SimpleNamespace(bundle=str(tmp_path), subfolder=None))
+    out = capsys.readouterr().out
+    assert "layout chosen by calibration: " + rotations.calibration["layout"]["chosen"] in out
+    assert "4-bit K in layers" in out and "attention-output error" in out
+    assert json.loads(out.split("calibration: ")[1].splitlines()[0])["layout"]["budget_bits"] == 3.2
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(choose_layout=True, diagnostic_tokens=0), "diagnostic_tokens > 0"),
+    (dict(bit_budget=3.0), "bit_budget is the budget of choose_layout"),
+    (dict(choose_layout="yes"), "choose_layout must be True or False"),
+])
+def test_calibrate_refuses_a_layout_choice_it_cannot_make(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        quick_calibrate(make_model(ARCH), token_ids(1, 64), **kwargs)
