@@ -1,11 +1,12 @@
 """Per-layer diagnostics of a rotation bundle on held-out tokens: what INT2 does to K, V and attention.
 
-For every layer, with each chunk's whole K and V quantized in the layout the cache stores (no windows, so the
-numbers isolate the quantizer): V per token, K per token or, with ``key_quantization="per-channel"``, per channel
-over groups of ``flush_tokens`` consecutive tokens (a chunk's last partial group stays exact, as the cache keeps it
-in its recent window); the sides in ``OscarConfig.centered_sides`` centered on the chunk's mean. Reports relative
-K and V error ``‖x̂ − x‖²/‖x‖²``, attention-score ``KL(p_full ‖ p_int2)``
-(causal, mean over query rows and heads), relative attention-output error, and clip rates.
+For every layer, with each chunk's K and V after its first ``sink_tokens`` quantized in the layout the cache stores
+(the sink stays exact, as in the cache; no recent window, so the numbers isolate the quantizer): V per token, K per
+token or, with ``key_quantization="per-channel"``, per channel over groups of ``flush_tokens`` consecutive tokens (a
+chunk's last partial group stays exact, as the cache keeps it in its recent window); the sides in
+``OscarConfig.centered_sides`` centered on the mean of the quantized tokens. Reports relative K and V error
+``‖x̂ − x‖²/‖x‖²`` over the quantized tokens, attention-score ``KL(p_full ‖ p_int2)`` (causal, mean over query rows
+and heads), relative attention-output error, and clip rates over the quantized tokens.
 """
 
 from __future__ import annotations
@@ -29,10 +30,14 @@ class DiagnosticsObserver:
 
     def _quantized(self, x: torch.Tensor, clip: float, side: str, cfg: OscarConfig | None = None) -> torch.Tensor:
         """``x [B, H, T, D]`` of ``side`` ("key" or "value") through the quantizer in the layout a layer with config
-        ``cfg`` (default the observer's) stores it (centered on its mean over T when ``side`` is in
-        ``centered_sides``, as the cache does); ``clip`` is the per-token clip ratio (per-channel K is never
-        clipped)."""
+        ``cfg`` (default the observer's) stores it: the first ``sink_tokens`` exact, the rest centered on its mean
+        over T when ``side`` is in ``centered_sides``, as the cache does; ``clip`` is the per-token clip ratio
+        (per-channel K is never clipped)."""
         cfg = cfg or self.config
+        sink = min(cfg.sink_tokens, x.shape[2])
+        if sink:
+            return torch.cat([x[:, :, :sink], self._quantized(x[:, :, sink:], clip, side, cfg.replace(sink_tokens=0))],
+                             dim=2)
         centered = side in cfg.centered_sides
         center = x.mean(dim=2, keepdim=True) if centered else torch.zeros_like(x[:, :, :1])
         x = x - center
@@ -62,13 +67,14 @@ class DiagnosticsObserver:
         kl = (log_p.exp() * (log_p - log_p_hat)).nan_to_num().sum(-1).mean()
         out = (output.float().reshape(b, h, -1, d) @ r_v).reshape(b, h, -1, t, d)
         out_hat = torch.einsum("bhgts,bhsd->bhgtd", log_p_hat.exp(), v_hat)
+        q_k, q_v = (x[:, :, min(cfg.sink_tokens, t):] for x in (k, v))  # the quantized tokens (none: errors 0)
         values = {
-            "k_error": float(((k_hat - k) ** 2).sum() / (k**2).sum()),
-            "v_error": float(((v_hat - v) ** 2).sum() / (v**2).sum()),
+            "k_error": float(((k_hat - k) ** 2).sum() / (q_k**2).sum().clamp_min(1e-30)),
+            "v_error": float(((v_hat - v) ** 2).sum() / (q_v**2).sum().clamp_min(1e-30)),
             "score_kl": float(kl),
             "output_error": float(((out_hat - out) ** 2).sum() / (out**2).sum()),
-            "k_clip_rate": float((clip_rows(k, cfg.k_clip) != k).float().mean()),
-            "v_clip_rate": float((clip_rows(v, cfg.v_clip) != v).float().mean()),
+            "k_clip_rate": float((clip_rows(q_k, cfg.k_clip) != q_k).float().mean().nan_to_num()),
+            "v_clip_rate": float((clip_rows(q_v, cfg.v_clip) != q_v).float().mean().nan_to_num()),
         }
         totals = self.sums.setdefault(layer_idx, dict.fromkeys(METRICS, 0.0) | {"tokens": 0})
         for name, value in values.items():

@@ -64,6 +64,9 @@ def choose_layout(model, rotations: OscarRotations, chunks: list[torch.Tensor], 
     if ModelShape.from_config(model.config).latent is not None:
         raise ValueError("layout choice serves K/V layers; multi-head latent attention stores one latent per token")
     base = (base or rotations.config or OscarConfig()).replace(**TWO_BITS)
+    if all(chunk.numel() <= base.sink_tokens for chunk in chunks):
+        raise ValueError(f"the held-out chunks ({max(c.numel() for c in chunks)} tokens at most) lie in the "
+                         f"{base.sink_tokens}-token sink, which is not quantized: nothing to score")
     budget = two_bit_budget(base, rotations) if bit_budget is None else float(bit_budget)
     scores, runs = {}, {}
     for layout in LAYOUTS:

@@ -409,7 +409,9 @@ METRICS = ("k_error", "v_error", "score_kl", "output_error", "k_clip_rate", "v_c
 
 
 def diagnosed(model, config: OscarConfig) -> OscarRotations:
-    return quick_calibrate(model, token_ids(8, 64), num_tokens=256, diagnostic_tokens=256, config=config)
+    """Calibrated on 256 tokens, diagnosed on 4 held-out chunks of 64 tokens, all but a 4-token sink quantized."""
+    return quick_calibrate(model, token_ids(8, 64), num_tokens=256, diagnostic_tokens=256,
+                           config=config.replace(sink_tokens=4))
 
 
 def test_diagnostics_per_layer(model, tmp_path):
@@ -436,7 +438,7 @@ def test_per_head_diagnostics(model):
 
     shared = quick_calibrate(model, token_ids(8, 64), num_tokens=256)
     held_out = list(token_ids(2, 64, seed=1))
-    config = OscarConfig(bits=4, k_clip=1.0, v_clip=1.0)
+    config = OscarConfig(bits=4, k_clip=1.0, v_clip=1.0, sink_tokens=4)
     expanded = OscarRotations(shared.key_rotation[:, None].expand(2, 2, 128, 128),
                               shared.value_rotation[:, None].expand(2, 2, 128, 128), num_kv_heads=2)
     want, got = (diagnose(model, bundle, held_out, config) for bundle in (shared, expanded))

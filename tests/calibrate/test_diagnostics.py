@@ -13,7 +13,7 @@ from oscar_hf.diagnostics import METRICS, DiagnosticsObserver, most_sensitive_la
 from oscar_hf.quantizer import dequantize, dequantize_per_channel, quantize, quantize_per_channel
 
 B, H, G, T, D = 1, 2, 2, 128, 64  # batch, KV heads, query heads per KV head, tokens, head_dim
-PER_TOKEN = OscarConfig(group_size=32, k_clip=1.0, flush_tokens=16)
+PER_TOKEN = OscarConfig(group_size=32, k_clip=1.0, flush_tokens=16, sink_tokens=0)
 PER_CHANNEL = PER_TOKEN.replace(key_quantization="per-channel")
 
 
@@ -71,11 +71,25 @@ def test_per_channel_keys_beat_per_token_on_outlier_channels():
 
 def test_per_token_keys_and_values_are_centered_and_quantized_per_token():
     k = outlier_keys()
-    for config in (PER_TOKEN, PER_TOKEN.replace(centering=False), OscarConfig(group_size=32)):
+    for config in (PER_TOKEN, PER_TOKEN.replace(centering=False), OscarConfig(group_size=32, sink_tokens=0)):
         row = observed(config, k)
         center = k.mean(dim=2, keepdim=True) if config.centering else 0.0
         rows = quantize(k - center, bits=2, group_size=32, clip=config.k_clip, scale_dtype=torch.float16)
         assert row["k_error"] == pytest.approx(relative_error(dequantize(rows, 2) + center, k), rel=1e-6)
+
+
+def test_the_sink_stays_exact_and_the_errors_are_over_the_quantized_tokens():
+    """As in the cache: the first sink_tokens are not quantized; centering and the relative errors see the rest."""
+    k = outlier_keys()
+    k[:, :, 0] *= 50  # an attention-sink token of large norm
+    sink = PER_TOKEN.replace(sink_tokens=8)
+    k_hat = DiagnosticsObserver(None, sink)._quantized(k, 1.0, "key")
+    assert torch.equal(k_hat[:, :, :8], k[:, :, :8])
+    rest = k[:, :, 8:]
+    center = rest.mean(dim=2, keepdim=True)
+    rows = quantize(rest - center, bits=2, group_size=32, clip=1.0, scale_dtype=torch.float16)
+    torch.testing.assert_close(k_hat[:, :, 8:], dequantize(rows, 2) + center)
+    assert observed(sink, k)["k_error"] == pytest.approx(relative_error(k_hat[:, :, 8:], rest), rel=1e-5)
 
 
 def test_per_channel_partial_token_group_stays_exact():
@@ -92,7 +106,7 @@ def test_diagnose_per_channel_on_a_tiny_model():
     model = make_model("qwen3-gqa-qknorm-d128")
     chunks = [torch.randint(3, VOCAB, (64,), generator=torch.Generator().manual_seed(seed)) for seed in range(2)]
     rotations = OscarRotations.identity(model.config)
-    config = OscarConfig(k_clip=1.0, flush_tokens=16)
+    config = OscarConfig(k_clip=1.0, flush_tokens=16, sink_tokens=4)
     token = diagnose(model, rotations, chunks, config)
     channel = diagnose(model, rotations, chunks, config.replace(key_quantization="per-channel"))
     for row_t, row_c in zip(token, channel):
@@ -116,7 +130,7 @@ def test_diagnostics_quantize_each_layer_at_its_own_key_bits():
     model = make_model("qwen3-gqa-qknorm-d128")
     chunks = [torch.randint(3, VOCAB, (64,), generator=torch.Generator().manual_seed(0))]
     rotations = OscarRotations.identity(model.config)
-    two, four = (diagnose(model, rotations, chunks, OscarConfig(key_bits=bits)) for bits in (2, 4))
-    mixed = diagnose(model, rotations, chunks, OscarConfig(key_bits=4, key_bits_layers=[1]))
+    two, four = (diagnose(model, rotations, chunks, OscarConfig(key_bits=bits, sink_tokens=4)) for bits in (2, 4))
+    mixed = diagnose(model, rotations, chunks, OscarConfig(key_bits=4, key_bits_layers=[1], sink_tokens=4))
     assert mixed[0]["k_error"] == two[0]["k_error"] and mixed[1]["k_error"] == four[1]["k_error"]
     assert four[1]["k_error"] < two[1]["k_error"] / 4

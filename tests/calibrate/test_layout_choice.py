@@ -29,8 +29,7 @@ def outlier_model():
 @pytest.fixture(scope="module")
 def planted():
     model = outlier_model()
-    ids = token_ids(6, 64)
-    return model, quick_calibrate(model, ids[:3], num_tokens=192), list(ids[3:])
+    return model, quick_calibrate(model, token_ids(3, 64), num_tokens=192), list(token_ids(2, 256, seed=1))
 
 
 def test_the_choice_is_the_candidate_of_least_error_and_avoids_the_planted_failure(planted):
@@ -41,7 +40,7 @@ def test_the_choice_is_the_candidate_of_least_error_and_avoids_the_planted_failu
     assert set(scores) == {c.name for c in LAYOUTS}
     assert layout["chosen"] == min(scores, key=lambda name: scores[name]["output_error"])
     # uncentered per-token keys carry the constant channels in every token's grid: the choice leaves them
-    assert layout["chosen"] != "per-token K, uncentered"
+    assert layout["chosen"] != "per-token K, uncentered" and scores[layout["chosen"]]["output_error"] > 1e-3
     assert scores["per-token K, uncentered"]["output_error"] > 1.2 * scores[layout["chosen"]]["output_error"]
     winner = next(c for c in LAYOUTS if c.name == layout["chosen"])
     for field, value in winner.overrides.items():
@@ -81,9 +80,15 @@ def test_a_budget_below_every_layout_is_refused(planted):
         choose_layout(model, rotations, held_out, bit_budget=2.0)
 
 
+def test_held_out_tokens_all_in_the_sink_are_refused(planted):
+    model, rotations, _ = planted
+    with pytest.raises(ValueError, match="sink"):
+        choose_layout(model, rotations, list(token_ids(2, 64)))
+
+
 def test_calibrate_chooses_on_its_held_out_tokens_and_info_shows_the_choice(tmp_path, capsys):
     model = outlier_model()
-    rotations = quick_calibrate(model, token_ids(4, 64), max_length=64, num_tokens=128, diagnostic_tokens=128,
+    rotations = quick_calibrate(model, token_ids(4, 256), max_length=256, num_tokens=512, diagnostic_tokens=512,
                                 choose_layout=True, bit_budget=3.2)
     assert rotations.calibration["layout"]["budget_bits"] == 3.2 and rotations.config.key_bits_layers
     rotations.save_pretrained(tmp_path)

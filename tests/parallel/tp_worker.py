@@ -39,8 +39,11 @@ def calibrate_both(model) -> dict:
     """Bundles of ``model`` on fixed tokens: shared and per KV head, with diagnostics."""
     from helpers import quick_calibrate, token_ids
 
+    from oscar_hf import OscarConfig
+
     return {per_head: quick_calibrate(model, token_ids(3, 48), max_length=48, num_tokens=96, diagnostic_tokens=48,
-                                      per_head=per_head) for per_head in (False, True)}
+                                      per_head=per_head, config=OscarConfig(sink_tokens=4))
+            for per_head in (False, True)}
 
 
 def free_port() -> int:
