@@ -191,8 +191,7 @@ def cmd_info(args) -> None:
               + (f", {config.key_bits}-bit K in layers {more_bits}" if more_bits else "")
               + f" ({layout['history_bits']:.3f} history bits per element, budget {layout['budget_bits']:.3f})")
         for name, score in layout["candidates"].items():
-            error = "over budget" if score["output_error"] is None else (
-                f"attention-output error {score['output_error']:.4g}, score KL {score['score_kl']:.4g}")
+            error = "over budget" if score["held_out_kl"] is None else f"held-out KL {score['held_out_kl']:.4g}"
             print(f"  {name:<28} {score['history_bits']:.3f} bits: {error}")
     for length in (4096, 32768, 131072):
         bits = [f"{config.bits_per_element(d, length, num_layers=rotations.num_layers):.3f}"

@@ -2,10 +2,12 @@
 
 Each candidate of ``LAYOUTS`` is a K layout (per token on the rotated keys, or per channel on the unrotated ones:
 KIVI's grid, which gives large constant key channels scales of their own) with or without centering. Every candidate
-within the budget is scored by the relative attention-output error its INT2 K and V cause on held-out chunks
-(:mod:`oscar_hf.diagnostics`, every layer and head; the error the next layer sees), and the lowest wins. Then, as long
-as the budget allows, the layers where the winner's keys change the attention most (score KL) get ``key_bits``-bit K.
-The bundle keeps the winner's config, its diagnostics, and every candidate's score under
+within the budget is scored end to end: the mean KL between the model's next-token distributions with the default
+cache and with an OSCAR cache of that layout, over held-out chunks fed in pieces (:func:`held_out_kl`), and the lowest
+wins. (Per-layer diagnostics, which quantize each layer's K/V with exact inputs, can rank layouts otherwise than the
+model's output does: on SmolLM2-135M they favour per-channel keys, which the output does not.) Then, as long as the
+budget allows, the layers where the winner's keys change the attention most (the diagnostics' score KL) get
+``key_bits``-bit K. The bundle keeps the winner's config, its diagnostics, and every candidate's score under
 ``calibration["layout"]``.
 """
 
@@ -15,11 +17,16 @@ import copy
 from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
 
+from .capture import _attention_implementations
 from .config import OscarConfig
-from .diagnostics import diagnose, summarize
-from .model_support import ModelShape
+from .diagnostics import diagnose
+from .model_support import ModelShape, cache_kwargs
+from .parallel import TensorParallel
 from .rotations import OscarRotations
+
+PIECE = 64  # tokens per forward when a held-out chunk is fed through a cache
 
 
 @dataclass(frozen=True)
@@ -54,38 +61,65 @@ def two_bit_budget(base: OscarConfig, rotations: OscarRotations) -> float:
     return history_bits(base.replace(**TWO_BITS), rotations)
 
 
+@torch.no_grad()
+def held_out_kl(model, rotations: OscarRotations, config: OscarConfig, chunks: list[torch.Tensor]) -> float:
+    """Mean ``KL(default cache ‖ OSCAR cache)`` of the next-token distributions over the held-out ``chunks`` (1-D
+    token ids), each fed ``PIECE`` tokens per forward into a fresh cache of each kind, so that every piece attends to
+    the earlier ones through the quantized history. Positions with no quantized token before them (the first
+    ``sink_tokens + recent_tokens``) are left out."""
+    from .cache import OscarQuantizedCache, enable
+
+    previous = _attention_implementations(model.config)
+    enable(model)
+    total = count = 0.0
+    try:
+        for chunk in chunks:
+            ids = chunk.to(model.device)[None]
+            default = DynamicCache(config=model.config)
+            oscar = OscarQuantizedCache(model.config, rotations, config, tensor_parallel=TensorParallel.of(model))
+            for start in range(0, ids.shape[1], PIECE):
+                piece = ids[:, start:start + PIECE]
+                p, q = (model(input_ids=piece, **cache_kwargs(model, cache), use_cache=True).logits[0].float()
+                        .log_softmax(-1) for cache in (default, oscar))
+                kl = (p.exp() * (p - q)).sum(-1)[max(0, config.sink_tokens + config.recent_tokens - start):]
+                total, count = total + float(kl.sum()), count + kl.numel()
+    finally:
+        model.set_attn_implementation(previous)
+    if not count:
+        raise ValueError(f"the held-out chunks ({max(c.numel() for c in chunks)} tokens at most) reach no quantized "
+                         f"history (sink {config.sink_tokens} + recent {config.recent_tokens} tokens): nothing to "
+                         "score")
+    return total / count
+
+
 def choose_layout(model, rotations: OscarRotations, chunks: list[torch.Tensor], base: OscarConfig | None = None,
                   bit_budget: float | None = None, key_bits: int = 4) -> OscarRotations:
     """``rotations`` with the layout that serves ``model`` best within ``bit_budget`` history bits per element
     (default :func:`two_bit_budget`), measured on held-out token ``chunks`` (module docstring). Per-channel winners
-    get identity K rotations. ValueError when no candidate fits the budget."""
+    get identity K rotations. ValueError when no candidate fits the budget, or the chunks reach no quantized history."""
     if not chunks:
         raise ValueError("choosing a layout needs held-out tokens (calibrate with diagnostic_tokens > 0)")
     if ModelShape.from_config(model.config).latent is not None:
         raise ValueError("layout choice serves K/V layers; multi-head latent attention stores one latent per token")
     base = (base or rotations.config or OscarConfig()).replace(**TWO_BITS)
-    if all(chunk.numel() <= base.sink_tokens for chunk in chunks):
-        raise ValueError(f"the held-out chunks ({max(c.numel() for c in chunks)} tokens at most) lie in the "
-                         f"{base.sink_tokens}-token sink, which is not quantized: nothing to score")
     budget = two_bit_budget(base, rotations) if bit_budget is None else float(bit_budget)
     scores, runs = {}, {}
     for layout in LAYOUTS:
         config = base.replace(**layout.overrides)
         bits = history_bits(config, rotations)
         if bits > budget + 1e-9:
-            scores[layout.name] = {"history_bits": bits, "output_error": None, "score_kl": None}
+            scores[layout.name] = {"history_bits": bits, "held_out_kl": None}
             continue
         bundle = rotations if layout.rotated_keys else rotations.with_identity_keys()
-        diagnostics = diagnose(model, bundle, chunks, config)
-        mean = summarize(diagnostics)
-        scores[layout.name] = {"history_bits": bits, "output_error": mean["output_error"], "score_kl": mean["score_kl"]}
-        runs[layout.name] = (config, bundle, diagnostics)
+        scores[layout.name] = {"history_bits": bits, "held_out_kl": held_out_kl(model, bundle, config, chunks)}
+        runs[layout.name] = (config, bundle)
     if not runs:
         cheapest = min(score["history_bits"] for score in scores.values())
         raise ValueError(f"no layout fits a budget of {budget:.3f} history bits per element (the cheapest takes "
                          f"{cheapest:.3f})")
-    name = min(runs, key=lambda n: scores[n]["output_error"])
-    config, bundle, diagnostics = runs[name]
+    name = min(runs, key=lambda n: scores[n]["held_out_kl"])
+    config, bundle = runs[name]
+    diagnostics = diagnose(model, bundle, chunks, config)
     config = _more_key_bits(config, rotations, diagnostics, budget, key_bits)
     if config.key_bits_layers:
         diagnostics = diagnose(model, bundle, chunks, config)

@@ -1,5 +1,5 @@
-"""Calibration's layout choice (oscar_hf.layout_choice): candidates scored on held-out tokens, the best within the
-bit budget kept in the bundle's config, 4-bit K where the budget allows, shown by `oscar-hf info`."""
+"""Calibration's layout choice (oscar_hf.layout_choice): candidates scored end to end on held-out tokens, the best
+within the bit budget kept in the bundle's config, 4-bit K where the budget allows, shown by `oscar-hf info`."""
 
 import json
 from types import SimpleNamespace
@@ -8,11 +8,12 @@ import pytest
 import torch
 from helpers import make_model, quick_calibrate, token_ids
 
-from oscar_hf import OscarQuantizedCache, OscarRotations, layout_choice
+from oscar_hf import OscarConfig, OscarQuantizedCache, OscarRotations, layout_choice
 from oscar_hf.cli import cmd_info
 from oscar_hf.layout_choice import LAYOUTS, choose_layout, history_bits
 
 ARCH = "qwen2-gqa-bias-d64"
+WINDOWS = OscarConfig(sink_tokens=4, recent_tokens=16)  # held-out chunks of 256 tokens: 236 scored positions
 
 
 def outlier_model():
@@ -29,7 +30,8 @@ def outlier_model():
 @pytest.fixture(scope="module")
 def planted():
     model = outlier_model()
-    return model, quick_calibrate(model, token_ids(3, 64), num_tokens=192), list(token_ids(2, 256, seed=1))
+    rotations = quick_calibrate(model, token_ids(3, 64), num_tokens=192, config=WINDOWS)
+    return model, rotations, list(token_ids(2, 256, seed=1))
 
 
 def test_the_choice_is_the_candidate_of_least_error_and_avoids_the_planted_failure(planted):
@@ -38,10 +40,10 @@ def test_the_choice_is_the_candidate_of_least_error_and_avoids_the_planted_failu
     layout = chosen.calibration["layout"]
     scores = layout["candidates"]
     assert set(scores) == {c.name for c in LAYOUTS}
-    assert layout["chosen"] == min(scores, key=lambda name: scores[name]["output_error"])
+    assert layout["chosen"] == min(scores, key=lambda name: scores[name]["held_out_kl"])
     # uncentered per-token keys carry the constant channels in every token's grid: the choice leaves them
-    assert layout["chosen"] != "per-token K, uncentered" and scores[layout["chosen"]]["output_error"] > 1e-3
-    assert scores["per-token K, uncentered"]["output_error"] > 1.2 * scores[layout["chosen"]]["output_error"]
+    assert layout["chosen"] != "per-token K, uncentered" and scores[layout["chosen"]]["held_out_kl"] > 1e-4
+    assert scores["per-token K, uncentered"]["held_out_kl"] > 1.2 * scores[layout["chosen"]]["held_out_kl"]
     winner = next(c for c in LAYOUTS if c.name == layout["chosen"])
     for field, value in winner.overrides.items():
         assert getattr(chosen.config, field) == value
@@ -80,23 +82,33 @@ def test_a_budget_below_every_layout_is_refused(planted):
         choose_layout(model, rotations, held_out, bit_budget=2.0)
 
 
-def test_held_out_tokens_all_in_the_sink_are_refused(planted):
+def test_held_out_tokens_that_reach_no_history_are_refused(planted):
     model, rotations, _ = planted
-    with pytest.raises(ValueError, match="sink"):
-        choose_layout(model, rotations, list(token_ids(2, 64)))
+    with pytest.raises(ValueError, match="reach no quantized history"):
+        choose_layout(model, rotations, list(token_ids(2, 20)))
+
+
+def test_held_out_kl_is_zero_where_nothing_is_quantized_and_grows_with_fewer_bits(planted):
+    model, rotations, held_out = planted
+    before = model.config._attn_implementation
+    exact = layout_choice.held_out_kl(model, OscarRotations.identity(model.config), WINDOWS.replace(bits=4, k_clip=1,
+                                      v_clip=1), held_out)
+    two = layout_choice.held_out_kl(model, rotations, WINDOWS, held_out)
+    assert 0 < exact < two / 10
+    assert model.config._attn_implementation == before  # restored
 
 
 def test_calibrate_chooses_on_its_held_out_tokens_and_info_shows_the_choice(tmp_path, capsys):
     model = outlier_model()
     rotations = quick_calibrate(model, token_ids(4, 256), max_length=256, num_tokens=512, diagnostic_tokens=512,
-                                choose_layout=True, bit_budget=3.2)
+                                choose_layout=True, bit_budget=3.2, config=WINDOWS)
     assert rotations.calibration["layout"]["budget_bits"] == 3.2 and rotations.config.key_bits_layers
     rotations.save_pretrained(tmp_path)
     assert OscarRotations.from_pretrained(tmp_path).config == rotations.config
     cmd_info(SimpleNamespace(bundle=str(tmp_path), subfolder=None))
     out = capsys.readouterr().out
     assert "layout chosen by calibration: " + rotations.calibration["layout"]["chosen"] in out
-    assert "4-bit K in layers" in out and "attention-output error" in out
+    assert "4-bit K in layers" in out and "held-out KL" in out
     assert json.loads(out.split("calibration: ")[1].splitlines()[0])["layout"]["budget_bits"] == 3.2
 
 
