@@ -148,6 +148,12 @@ METHODS: dict[str, Method] = {
             {"quantizer": "uniform", "centering": True, **INT2},
         ),
         Method(
+            "oscar-bundle",
+            "the calibrated bundle's recommended config as it is: the layout its calibration chose "
+            "(--choose-layout), or its recipe's",
+            "calibrated",
+        ),
+        Method(
             "oscar-uncentered",
             "as oscar, without centering (the published method)",
             "calibrated",

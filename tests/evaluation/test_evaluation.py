@@ -53,6 +53,7 @@ def test_methods_registry_presets():
         "quarot-int2",
         "kivi-2",
         "oscar",
+        "oscar-bundle",
         "oscar-uncentered",
         "oscar-k4",
         "oscar-k4-half",
@@ -108,6 +109,8 @@ def test_methods_registry_presets():
     calibrated.diagnostics = [{"layer": 0, "score_kl": 0.1}, {"layer": 1, "score_kl": 0.3}]
     half = make_cache("oscar-k4-half", model, calibrated)
     assert half.config.key_bits_layers == [1]
+    calibrated.config = OscarConfig(centering=False, key_bits=4, key_bits_layers=[0], sink_tokens=8)
+    assert make_cache("oscar-bundle", model, calibrated).config == calibrated.config  # no preset over the bundle's
     assert [layer.config.side_bits["key"] for layer in half.layers] == [2, 4]
     calibrated.config = OscarConfig(key_bits=4, key_bits_layers=[0])  # the 2-bit presets drop the layer list too
     assert make_cache("oscar", model, calibrated).config.key_bits_layers is None
