@@ -298,7 +298,7 @@ def calibrate(
             layer from the covariance averaged over the KV heads.
         choose_layout: choose the bundle's config (K per token or per channel, centering, and 4-bit K in the layers
             where it pays) from diagnostics on the held-out tokens, within ``bit_budget`` history bits per element
-            (default: ``config`` at 2 bits): :mod:`oscar_hf.layout_choice`. Needs ``diagnostic_tokens > 0``.
+            (default 2.6): :mod:`oscar_hf.layout_choice`. Needs ``diagnostic_tokens > 0``.
     Returns:
         OscarRotations with float32 ``[layers, D, D]`` rotations (``[layers, H, D, D]`` per head) and ascending
         eigenvalues.

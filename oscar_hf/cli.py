@@ -356,7 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="choose the bundle's config from the diagnostics (K per token or per channel, centering, "
                           "4-bit K where it pays) within --bit-budget")
     cal.add_argument("--bit-budget", type=float, metavar="BITS",
-                     help="with --choose-layout: history bits per element at most (default: the 2-bit layout's)")
+                     help="with --choose-layout: history bits per element at most (default 2.6, or the 2-bit "
+                          "layout's cost where more)")
     cal.add_argument("--batch-size", type=int, default=1, help="chunks per forward pass")
     cal.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=AUTO_DTYPE_HELP)
     cal.add_argument("--push-to-hub", metavar="REPO", help="also upload the bundle to this Hub repo (default: no)")

@@ -46,19 +46,27 @@ LAYOUTS = (
     Layout("per-channel K, V uncentered", {**PER_CHANNEL, "centering": False}, rotated_keys=False),
 )
 TWO_BITS = {"bits": 2, "key_bits": None, "key_bits_layers": None}
+BUDGET = 2.6  # history bits per element: the default budget of a 2-bit cache
 
 
-def history_bits(config: OscarConfig, rotations: OscarRotations) -> float:
-    """Bits per history element of ``config`` over the bundle's layers, weighted by each layer's K/V elements."""
-    layers = rotations.num_layers
-    weights = [h * d for h, d in zip(rotations.kv_heads, rotations.head_dims)]
-    bits = [config.for_layer(i).bits_per_element(d, num_layers=layers) for i, d in enumerate(rotations.head_dims)]
+def quantized_layers(model_config, rotations: OscarRotations, config: OscarConfig) -> list[int]:
+    """The layers an OscarQuantizedCache of ``config`` stores in INT2 (its OSCAR layers)."""
+    from .cache import OSCAR_LAYERS, OscarQuantizedCache
+
+    cache = OscarQuantizedCache(model_config, rotations, config.replace(key_bits_layers=None))
+    return [i for i, layer in enumerate(cache.layers) if isinstance(layer, OSCAR_LAYERS)]
+
+
+def history_bits(config: OscarConfig, rotations: OscarRotations, layers: list[int]) -> float:
+    """Bits per history element of ``config`` over ``layers``, weighted by each layer's K/V elements."""
+    weights = [rotations.kv_heads[i] * rotations.head_dims[i] for i in layers]
+    bits = [config.for_layer(i).bits_per_element(rotations.head_dims[i]) for i in layers]
     return sum(w * b for w, b in zip(weights, bits)) / sum(weights)
 
 
-def two_bit_budget(base: OscarConfig, rotations: OscarRotations) -> float:
-    """The default budget: what ``base`` costs with 2-bit K and V in every layer."""
-    return history_bits(base.replace(**TWO_BITS), rotations)
+def default_budget(base: OscarConfig, rotations: OscarRotations, layers: list[int]) -> float:
+    """``BUDGET``, or what ``base`` costs with 2-bit K and V where that is more (small heads' scales)."""
+    return max(BUDGET, history_bits(base.replace(**TWO_BITS), rotations, layers))
 
 
 @torch.no_grad()
@@ -94,19 +102,21 @@ def held_out_kl(model, rotations: OscarRotations, config: OscarConfig, chunks: l
 
 def choose_layout(model, rotations: OscarRotations, chunks: list[torch.Tensor], base: OscarConfig | None = None,
                   bit_budget: float | None = None, key_bits: int = 4) -> OscarRotations:
-    """``rotations`` with the layout that serves ``model`` best within ``bit_budget`` history bits per element
-    (default :func:`two_bit_budget`), measured on held-out token ``chunks`` (module docstring). Per-channel winners
-    get identity K rotations. ValueError when no candidate fits the budget, or the chunks reach no quantized history."""
+    """``rotations`` with the layout that serves ``model`` best within ``bit_budget`` history bits per element over
+    the layers the cache quantizes (default :func:`default_budget`), measured on held-out token ``chunks`` (module
+    docstring). Per-channel winners get identity K rotations. ValueError when no candidate fits the budget, or the
+    chunks reach no quantized history."""
     if not chunks:
         raise ValueError("choosing a layout needs held-out tokens (calibrate with diagnostic_tokens > 0)")
     if ModelShape.from_config(model.config).latent is not None:
         raise ValueError("layout choice serves K/V layers; multi-head latent attention stores one latent per token")
     base = (base or rotations.config or OscarConfig()).replace(**TWO_BITS)
-    budget = two_bit_budget(base, rotations) if bit_budget is None else float(bit_budget)
+    layers = quantized_layers(model.config, rotations, base)
+    budget = default_budget(base, rotations, layers) if bit_budget is None else float(bit_budget)
     scores, runs = {}, {}
     for layout in LAYOUTS:
         config = base.replace(**layout.overrides)
-        bits = history_bits(config, rotations)
+        bits = history_bits(config, rotations, layers)
         if bits > budget + 1e-9:
             scores[layout.name] = {"history_bits": bits, "held_out_kl": None}
             continue
@@ -120,25 +130,27 @@ def choose_layout(model, rotations: OscarRotations, chunks: list[torch.Tensor], 
     name = min(runs, key=lambda n: scores[n]["held_out_kl"])
     config, bundle = runs[name]
     diagnostics = diagnose(model, bundle, chunks, config)
-    config = _more_key_bits(config, rotations, diagnostics, budget, key_bits)
+    config = _more_key_bits(config, rotations, [row for row in diagnostics if row["layer"] in layers], budget,
+                            key_bits, layers)
     if config.key_bits_layers:
         diagnostics = diagnose(model, bundle, chunks, config)
     chosen = copy.copy(bundle)  # a new bundle (with_identity_keys made one already; this copies the other)
     chosen.config, chosen.diagnostics = config, diagnostics
     chosen.calibration = {**rotations.calibration, "layout": {
-        "chosen": name, "budget_bits": budget, "history_bits": history_bits(config, rotations),
+        "chosen": name, "budget_bits": budget, "history_bits": history_bits(config, rotations, layers),
         "key_bits_layers": config.key_bits_layers or [], "candidates": scores}}
     return chosen
 
 
 def _more_key_bits(config: OscarConfig, rotations: OscarRotations, diagnostics: list[dict], budget: float,
-                   key_bits: int) -> OscarConfig:
-    """``config`` with ``key_bits``-bit K in the layers of largest score KL, one by one while within ``budget``."""
+                   key_bits: int, layers: list[int]) -> OscarConfig:
+    """``config`` with ``key_bits``-bit K in the quantized ``layers`` of largest score KL (``diagnostics``: theirs),
+    one by one while within ``budget``."""
     ranked = [row["layer"] for row in sorted(diagnostics, key=lambda row: row["score_kl"], reverse=True)]
-    layers: list[int] = []
+    chosen: list[int] = []
     for layer in ranked:
-        trial = config.replace(key_bits=key_bits, key_bits_layers=sorted([*layers, layer]))
-        if history_bits(trial, rotations) > budget + 1e-9:
+        trial = config.replace(key_bits=key_bits, key_bits_layers=sorted([*chosen, layer]))
+        if history_bits(trial, rotations, layers) > budget + 1e-9:
             break
-        layers.append(layer)
-    return config.replace(key_bits=key_bits, key_bits_layers=sorted(layers)) if layers else config
+        chosen.append(layer)
+    return config.replace(key_bits=key_bits, key_bits_layers=sorted(chosen)) if chosen else config

@@ -6,11 +6,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import make_model, quick_calibrate, token_ids
+from helpers import build_family, make_model, quick_calibrate, token_ids
 
 from oscar_hf import OscarConfig, OscarQuantizedCache, OscarRotations, layout_choice
 from oscar_hf.cli import cmd_info
-from oscar_hf.layout_choice import LAYOUTS, choose_layout, history_bits
+from oscar_hf.layout_choice import LAYOUTS, choose_layout, history_bits, quantized_layers
 
 ARCH = "qwen2-gqa-bias-d64"
 WINDOWS = OscarConfig(sink_tokens=4, recent_tokens=16)  # held-out chunks of 256 tokens: 236 scored positions
@@ -47,7 +47,8 @@ def test_the_choice_is_the_candidate_of_least_error_and_avoids_the_planted_failu
     winner = next(c for c in LAYOUTS if c.name == layout["chosen"])
     for field, value in winner.overrides.items():
         assert getattr(chosen.config, field) == value
-    assert layout["budget_bits"] == layout["history_bits"] == 2.5 and layout["key_bits_layers"] == []
+    # the default budget, 2.6 bits, holds the 2.5-bit layouts and no 4-bit K layer (one of two layers: 3.0 bits)
+    assert layout["budget_bits"] == 2.6 and layout["history_bits"] == 2.5 and layout["key_bits_layers"] == []
     assert chosen.config.key_bits is None and chosen.diagnostics and rotations.calibration.get("layout") is None
 
 
@@ -69,7 +70,7 @@ def test_a_larger_budget_buys_4_bit_keys_in_the_layers_of_largest_score_kl(plant
     chosen = choose_layout(model, rotations, held_out, bit_budget=3.2)
     layout = chosen.calibration["layout"]
     assert chosen.config.key_bits == 4 and len(chosen.config.key_bits_layers) == 1  # 3.0 bits; both layers: 3.5
-    assert layout["history_bits"] == history_bits(chosen.config, chosen) == 3.0
+    assert layout["history_bits"] == history_bits(chosen.config, chosen, [0, 1]) == 3.0
     winner = layout["candidates"][layout["chosen"]]
     base = choose_layout(model, rotations, held_out)
     ranked = sorted(base.diagnostics, key=lambda row: row["score_kl"], reverse=True)
@@ -120,3 +121,16 @@ def test_calibrate_chooses_on_its_held_out_tokens_and_info_shows_the_choice(tmp_
 def test_calibrate_refuses_a_layout_choice_it_cannot_make(kwargs, message):
     with pytest.raises(ValueError, match=message):
         quick_calibrate(make_model(ARCH), token_ids(1, 64), **kwargs)
+
+
+def test_bits_and_4_bit_keys_count_only_the_layers_the_cache_quantizes():
+    """Gemma-2 alternates sliding-window layers (model dtype, not quantized) with full ones: the budget is spent on the
+    full layers alone, and the 4-bit K layers are among them."""
+    model = build_family("gemma2-softcap")
+    rotations = quick_calibrate(model, token_ids(2, 64), num_tokens=128, config=WINDOWS)
+    layers = quantized_layers(model.config, rotations, WINDOWS)
+    kinds = model.config.layer_types
+    assert layers == [i for i, kind in enumerate(kinds) if kind == "full_attention"] and 0 < len(layers) < len(kinds)
+    chosen = choose_layout(model, rotations, list(token_ids(2, 128, seed=1)), bit_budget=3.0 + 1 / len(layers))
+    assert chosen.config.key_bits_layers and set(chosen.config.key_bits_layers) <= set(layers)
+    assert chosen.calibration["layout"]["history_bits"] <= 3.0 + 1 / len(layers)
