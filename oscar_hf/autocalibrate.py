@@ -11,7 +11,8 @@ model, revision, config, text or budget gets its own folder; deleting a folder m
 
 The settings come from the model's recipe (:func:`oscar_hf.recipes.recipe_for_model`: targets, eigenvector order,
 cache config) with a budget of ``DEFAULT_TOKENS`` calibration tokens, else from :func:`oscar_hf.calibrate`'s
-defaults (the paper's targets) and ``OscarConfig()``.
+defaults (the paper's targets); a model without a recipe has its layout chosen on ``CHOICE_TOKENS`` held-out tokens
+after the calibration ones (:mod:`oscar_hf.layout_choice`), from ``OscarConfig()``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ SHIPPED_TEXT_NAME = "oscar_hf/data/austen_emma.txt"  # as a bundle records it
 # Calibration tokens when no budget is given: one chunk, one forward pass per target pass. On SmolLM2-135M it gives
 # the attention-score KL and perplexity of 30K tokens (docs/design.md) and takes seconds on a 2-core CPU.
 DEFAULT_TOKENS = 2048
+CHOICE_TOKENS = 1024  # held-out tokens on which a model without a recipe has its layout chosen
 SETTINGS = ("num_tokens", "max_length", "k_target", "v_target", "composition", "eigen_order")
 # config fields that say how a model was loaded or runs, not what it computes: left out of the bundle's key
 VOLATILE_CONFIG_KEYS = frozenset({
@@ -108,7 +110,8 @@ def config_fingerprint(config) -> dict:
 
 
 def bundle_folder(model, settings: dict, config: OscarConfig, token_ids: torch.Tensor,
-                  cache_dir: str | os.PathLike | None = None, diagnostic_tokens: int = 0) -> Path:
+                  cache_dir: str | os.PathLike | None = None, diagnostic_tokens: int = 0,
+                  choose_layout: bool = False) -> Path:
     """``<cache_dir>/<model>/<revision>-<key>`` (module docstring); ``cache_dir`` defaults to
     :func:`rotations_cache_dir`."""
     name = model_name(model)
@@ -118,7 +121,8 @@ def bundle_folder(model, settings: dict, config: OscarConfig, token_ids: torch.T
     payload = {
         "format": 1,
         "model": config_fingerprint(model.config),
-        "calibration": {**settings, "diagnostic_tokens": diagnostic_tokens},
+        "calibration": {**settings, "diagnostic_tokens": diagnostic_tokens,
+                        **({"choose_layout": True} if choose_layout else {})},
         "cache": config.to_dict(),
         "tokens": hashlib.sha256(token_ids.to(torch.int64).numpy().tobytes()).hexdigest(),
     }
@@ -169,9 +173,17 @@ def cached_rotations(
     recipe, settings, config = calibration_settings(model, num_tokens, recipe)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
     data = SHIPPED_TEXT_NAME if texts is None else "texts given to oscar_hf"
+    choose = recipe is None  # no hand-written layout: calibration chooses one
+    if choose:
+        diagnostic_tokens = max(diagnostic_tokens, CHOICE_TOKENS)
     ids = calibration_token_ids(tokenizer, [shipped_text()] if texts is None else texts, settings["num_tokens"],
                                 settings["max_length"], diagnostic_tokens)
-    path = bundle_folder(model, settings, config, ids, cache_dir, diagnostic_tokens)
+    if choose and len(ids) - settings["num_tokens"] <= config.sink_tokens + config.recent_tokens:
+        logger.warning("oscar-hf: the calibration text leaves %d held-out tokens, too few to choose a layout (more "
+                       "than %d): the default layout", max(0, len(ids) - settings["num_tokens"]),
+                       config.sink_tokens + config.recent_tokens)
+        choose = False
+    path = bundle_folder(model, settings, config, ids, cache_dir, diagnostic_tokens, choose)
     name = model_name(model) or type(model).__name__
     recipe_name = recipe.name if recipe else None
     rotations = _read(path)
@@ -186,7 +198,7 @@ def cached_rotations(
             f"the recipe {recipe_name!r}" if recipe else "the default settings", path)
         start = time.perf_counter()
         rotations = calibrate(model, tokenizer, [ids], **settings, diagnostic_tokens=diagnostic_tokens, config=config,
-                              show_progress=show_progress)
+                              show_progress=show_progress, choose_layout=choose)
         seconds = time.perf_counter() - start
         rotations.source_model = model_name(model) or None
         rotations.calibration.update(data=data, recipe=recipe_name, tokens_sha256=hashlib.sha256(

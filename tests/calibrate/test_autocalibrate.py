@@ -159,3 +159,25 @@ def test_calibration_token_ids_make_the_same_chunks_as_the_texts():
         for got, expected in zip(token_chunks(tokenizer, [ids], 500, 128, 300), token_chunks(tokenizer, texts, 500,
                                                                                              128, 300)):
             assert [c.tolist() for c in got] == [c.tolist() for c in expected]
+
+
+def test_a_model_without_a_recipe_has_its_layout_chosen_on_held_out_text(model_dir, hf_home, calibrations, caplog):
+    """No recipe: the bundle's config is chosen (oscar_hf.layout_choice) on CHOICE_TOKENS held-out tokens after the
+    calibration ones, with every candidate scored; a text too short for that keeps the default layout, and says so."""
+    found = auto.cached_rotations(load(model_dir), char_tokenizer())
+    layout = found.rotations.calibration["layout"]
+    assert layout["chosen"] in layout["candidates"] and found.rotations.diagnostics
+    assert all(score["held_out_kl"] > 0 for score in layout["candidates"].values())
+    assert found.rotations.diagnostics[0]["tokens"] == auto.CHOICE_TOKENS
+    with caplog.at_level("WARNING", logger="oscar_hf.autocalibrate"):
+        short = auto.cached_rotations(load(model_dir), char_tokenizer(), [austen(BUDGET + 200)])
+    assert "too few to choose a layout" in caplog.text and "layout" not in short.rotations.calibration
+    assert short.rotations.config == OscarConfig()
+
+
+def test_a_model_with_a_recipe_keeps_the_recipes_layout(hf_home, calibrations):
+    model = make_model(ARCH)
+    model.config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the smollm2-135m recipe, by name
+    found = auto.cached_rotations(model, char_tokenizer())
+    assert found.recipe == "smollm2-135m" and "layout" not in found.rotations.calibration
+    assert found.rotations.config == recipe_for_model(model).cache
