@@ -459,7 +459,17 @@ def free_memory() -> None:
 
 
 def out_of_time(profile: Profile) -> bool:
-    return time.perf_counter() - START > profile.budget_s
+    return any_rank(time.perf_counter() - START > profile.budget_s)
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any tensor-parallel rank: every rank must take the same branch around a generate,
+    whose collectives would otherwise wait for a rank that skipped it."""
+    if not torch.distributed.is_initialized():
+        return flag
+    vote = torch.tensor([int(flag)], device="cuda" if torch.cuda.is_available() else "cpu")
+    torch.distributed.all_reduce(vote, op=torch.distributed.ReduceOp.MAX)
+    return bool(vote.item())
 
 
 # ----------------------------------------------------------------------------------------------- timing
@@ -915,7 +925,7 @@ def decode_case(model: torch.nn.Module, method: BenchMethod, length: int, batch:
         shape = local_shape(model)
         elements = sum(kv_elements(shape, layer) for layer in range(shape.num_layers)) * length * batch
         needed, free = method.bits(shape, length) * elements / 8 / GIB, free_gib(model)
-        if needed > free:
+        if any_rank(needed > free):
             return {"status": f"oom (the cache needs {needed:.1f} GiB, {free:.1f} GiB free)"}
     return attempt(measure_decode, model, method, length, batch, profile, decoding)
 

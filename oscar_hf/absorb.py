@@ -17,6 +17,7 @@ import torch
 
 from .cache import LATENT_ABSORBED
 from .model_support import ModelShape
+from .parallel import TensorParallel
 from .rotations import OscarRotations
 
 
@@ -29,6 +30,9 @@ def absorb_value_rotation(model: torch.nn.Module, rotations: OscarRotations) -> 
     """
     shape = ModelShape.from_config(model.config)
     rotations.check_compatible(model.config)
+    if TensorParallel.of(model) is not None:
+        raise ValueError("V absorption folds whole weights, and a tensor-parallel model (tp_plan) holds a share of "
+                         "each on every rank: absorb before sharding, or use the bundle as it is")
     if not all(shape.reads_own_kv(i) for i in range(shape.num_layers)):
         raise ValueError("V absorption cannot serve a model whose layers share K/V (the layers that read another "
                          "layer's V would need its rotation folded into their o_proj too)")

@@ -34,8 +34,10 @@ import torch
 
 from .calibrate import calibrate, calibration_token_ids
 from .config import OscarConfig
+from .model_support import ModelShape
 from .recipes import Recipe, load_recipe, model_name, recipe_for_model
 from .rotations import OscarRotations
+from .tokens import bos_prefix, text_tokens_in
 
 logger = logging.getLogger(__name__)
 
@@ -173,15 +175,17 @@ def cached_rotations(
     recipe, settings, config = calibration_settings(model, num_tokens, recipe)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
     data = SHIPPED_TEXT_NAME if texts is None else "texts given to oscar_hf"
-    choose = recipe is None  # no hand-written layout: calibration chooses one
+    # no hand-written layout: calibration chooses one (latent attention has one layout: one latent per token)
+    choose = recipe is None and ModelShape.from_config(model.config).latent is None
     if choose:
         diagnostic_tokens = max(diagnostic_tokens, CHOICE_TOKENS)
     ids = calibration_token_ids(tokenizer, [shipped_text()] if texts is None else texts, settings["num_tokens"],
                                 settings["max_length"], diagnostic_tokens)
-    if choose and len(ids) - settings["num_tokens"] <= config.sink_tokens + config.recent_tokens:
+    held_out = len(ids) - min(len(ids), text_tokens_in(settings["num_tokens"], settings["max_length"],
+                                                        bos_prefix(tokenizer)))
+    if choose and held_out <= config.sink_tokens + config.recent_tokens:
         logger.warning("oscar-hf: the calibration text leaves %d held-out tokens, too few to choose a layout (more "
-                       "than %d): the default layout", max(0, len(ids) - settings["num_tokens"]),
-                       config.sink_tokens + config.recent_tokens)
+                       "than %d): the default layout", held_out, config.sink_tokens + config.recent_tokens)
         choose = False
     path = bundle_folder(model, settings, config, ids, cache_dir, diagnostic_tokens, choose)
     name = model_name(model) or type(model).__name__

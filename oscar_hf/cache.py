@@ -306,7 +306,7 @@ class OscarLayer(_GrowingLayer):
         tp = self.tensor_parallel
         for name in ("key_rotation", "value_rotation"):
             rotation = getattr(self, name)
-            if tp is not None and rotation.ndim == 3 and rotation.shape[0] == heads * tp.size != heads:
+            if tp is not None and rotation.ndim == 3 and rotation.shape[0] == heads * tp.size:
                 setattr(self, name, rotation[tp.heads(rotation.shape[0])])
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -317,8 +317,8 @@ class OscarLayer(_GrowingLayer):
                 raise ValueError(
                     f"a rotation {tuple(rotation.shape)} does not fit K/V of {heads} heads of head_dim {dim}"
                     + ("" if self.tensor_parallel is not None or rotation.ndim != 3 else
-                       " (a model loaded with tp_plan holds a share of the heads on each rank: build the cache with "
-                       "OscarQuantizedCache.from_pretrained(..., model=model), or pass tensor_parallel=)"))
+                       " (if the model was loaded with tp_plan, each rank holds a share of the heads: build the cache "
+                       "with OscarQuantizedCache.from_pretrained(..., model=model), or pass tensor_parallel=)"))
         self.dtype, self.device = key_states.dtype, key_states.device
         self._packed = None
         cfg = self.config
@@ -1189,7 +1189,7 @@ class OscarQuantizedCache(Cache):
 
         Without ``src``, the rotations made for ``model`` on demand (:mod:`oscar_hf.autocalibrate`): the first call
         calibrates them (seconds for a small model on a CPU; a model without a recipe also has its layout chosen,
-        four more passes over 1,024 held-out tokens) on ``calibration_texts`` (default: the Austen excerpt
+        about seven more passes over 1,024 held-out tokens) on ``calibration_texts`` (default: the Austen excerpt
         shipped with oscar-hf) with ``tokenizer`` (default: loaded from the model's name or path) and saves the
         bundle in the Hugging Face cache folder; later calls, in this process or another, reuse it.
         """

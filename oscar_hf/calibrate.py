@@ -296,9 +296,10 @@ def calibrate(
         per_head: one rotation per layer and KV head, each from its own head's covariance (K: its query group's
             queries, or its keys; V: its values, weighted by its own query covariance for "sst"), instead of one per
             layer from the covariance averaged over the KV heads.
-        choose_layout: choose the bundle's config (K per token or per channel, centering, and 4-bit K in the layers
-            where it pays) from diagnostics on the held-out tokens, within ``bit_budget`` history bits per element
-            (default 2.6): :mod:`oscar_hf.layout_choice`. Needs ``diagnostic_tokens > 0``.
+        choose_layout: choose the bundle's config (a 2-bit K layout per token or per channel, centering, then
+            4-bit K in the layers where it pays) on the held-out tokens, within ``bit_budget`` history bits per
+            element (default 2.6, or the 2-bit layout's cost where that is more): :mod:`oscar_hf.layout_choice`.
+            Needs held-out tokens (``diagnostic_tokens > 0``, and text enough for them).
     Returns:
         OscarRotations with float32 ``[layers, D, D]`` rotations (``[layers, H, D, D]`` per head) and ascending
         eigenvalues.
@@ -395,7 +396,10 @@ def calibrate(
         },
         config=config,
     )
-    if held_out and choose_layout:
+    if choose_layout:
+        if not held_out:
+            raise ValueError(f"choose_layout scores the layouts on held-out tokens, and the text left none after the "
+                             f"{used} calibration tokens: give more text or fewer num_tokens")
         return choose_layout_within(model, rotations, held_out, config, bit_budget)
     if held_out:
         rotations.diagnostics = diagnose(model, rotations, held_out, config)

@@ -4,7 +4,8 @@ For every layer, with each chunk's K and V after its first ``sink_tokens`` quant
 (the sink stays exact, as in the cache; no recent window, so the numbers isolate the quantizer): V per token, K per
 token or, with ``key_quantization="per-channel"``, per channel over groups of ``flush_tokens`` consecutive tokens (a
 chunk's last partial group stays exact, as the cache keeps it in its recent window); the sides in
-``OscarConfig.centered_sides`` centered on the mean of the quantized tokens. Reports relative K and V error
+``OscarConfig.centered_sides`` centered on the mean of the quantized tokens (the cache centers on the first tokens
+that reach its history: after a prefill, those between its windows). Reports relative K and V error
 ``‖x̂ − x‖²/‖x‖²`` over the quantized tokens, attention-score ``KL(p_full ‖ p_int2)`` (causal, mean over query rows
 and heads), relative attention-output error, and clip rates over the quantized tokens.
 """

@@ -1,7 +1,10 @@
 """The storage layout of a model, chosen by calibration from held-out diagnostics within a bit budget.
 
-Each candidate of ``LAYOUTS`` is a K layout (per token on the rotated keys, or per channel on the unrotated ones:
-KIVI's grid, which gives large constant key channels scales of their own) with or without centering. Every candidate
+Each candidate of ``LAYOUTS`` is a 2-bit K layout (per token on the rotated keys, or per channel on the unrotated
+ones: KIVI's grid, which gives large constant key channels scales of their own) with or without centering, on top of
+the base config (its other fields kept). Per-channel K demotes ``flush_tokens = 64`` tokens at a time, so its recent
+window is shortened by half the difference in flush sizes: both windows then hold the same number of exact tokens on
+average. Every candidate
 within the budget is scored end to end: the mean KL between the model's next-token distributions with the default
 cache and with an OSCAR cache of that layout, over held-out chunks fed in pieces (:func:`held_out_kl`), and the lowest
 wins. (Per-layer diagnostics, which quantize each layer's K/V with exact inputs, can rank layouts otherwise than the
@@ -69,27 +72,38 @@ def default_budget(base: OscarConfig, rotations: OscarRotations, layers: list[in
     return max(BUDGET, history_bits(base.replace(**TWO_BITS), rotations, layers))
 
 
+def _pieces(model, chunk: torch.Tensor, cache) -> list[torch.Tensor]:
+    """Float32 next-token log-probabilities ``[PIECE, V]`` of ``chunk`` (1-D token ids) fed ``PIECE`` tokens per
+    forward through ``cache``, piece by piece."""
+    ids = chunk.to(model.device)[None]
+    return [model(input_ids=ids[:, start:start + PIECE], **cache_kwargs(model, cache), use_cache=True).logits[0]
+            .float().log_softmax(-1) for start in range(0, ids.shape[1], PIECE)]
+
+
 @torch.no_grad()
-def held_out_kl(model, rotations: OscarRotations, config: OscarConfig, chunks: list[torch.Tensor]) -> float:
+def default_logprobs(model, chunks: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Per held-out chunk, the default cache's log-probabilities piece by piece (:func:`held_out_kl`'s reference)."""
+    return [_pieces(model, chunk, DynamicCache(config=model.config)) for chunk in chunks]
+
+
+@torch.no_grad()
+def held_out_kl(model, rotations: OscarRotations, config: OscarConfig, chunks: list[torch.Tensor],
+                reference: list[list[torch.Tensor]] | None = None) -> float:
     """Mean ``KL(default cache ‖ OSCAR cache)`` of the next-token distributions over the held-out ``chunks`` (1-D
-    token ids), each fed ``PIECE`` tokens per forward into a fresh cache of each kind, so that every piece attends to
-    the earlier ones through the quantized history. Positions with no quantized token before them (the first
-    ``sink_tokens + recent_tokens``) are left out."""
+    token ids), each fed ``PIECE`` tokens per forward into a fresh cache, so that every piece attends to the earlier
+    ones through the quantized history; ``reference``: :func:`default_logprobs` of the chunks, if computed already.
+    Positions with no quantized token before them (the first ``sink_tokens + recent_tokens``) are left out."""
     from .cache import OscarQuantizedCache, enable
 
     previous = _attention_implementations(model.config)
     enable(model)
     total = count = 0.0
     try:
-        for chunk in chunks:
-            ids = chunk.to(model.device)[None]
-            default = DynamicCache(config=model.config)
+        reference = reference if reference is not None else default_logprobs(model, chunks)
+        for chunk, expected in zip(chunks, reference):
             oscar = OscarQuantizedCache(model.config, rotations, config, tensor_parallel=TensorParallel.of(model))
-            for start in range(0, ids.shape[1], PIECE):
-                piece = ids[:, start:start + PIECE]
-                p, q = (model(input_ids=piece, **cache_kwargs(model, cache), use_cache=True).logits[0].float()
-                        .log_softmax(-1) for cache in (default, oscar))
-                kl = (p.exp() * (p - q)).sum(-1)[max(0, config.sink_tokens + config.recent_tokens - start):]
+            for i, (p, q) in enumerate(zip(expected, _pieces(model, chunk, oscar))):
+                kl = (p.exp() * (p - q)).sum(-1)[max(0, config.sink_tokens + config.recent_tokens - i * PIECE):]
                 total, count = total + float(kl.sum()), count + kl.numel()
     finally:
         model.set_attn_implementation(previous)
@@ -113,15 +127,21 @@ def choose_layout(model, rotations: OscarRotations, chunks: list[torch.Tensor], 
     base = (base or rotations.config or OscarConfig()).replace(**TWO_BITS)
     layers = quantized_layers(model.config, rotations, base)
     budget = default_budget(base, rotations, layers) if bit_budget is None else float(bit_budget)
-    scores, runs = {}, {}
+    scores, runs, reference = {}, {}, None
     for layout in LAYOUTS:
         config = base.replace(**layout.overrides)
+        if config.flush_tokens > base.flush_tokens:  # the same mean exact window as the base's
+            config = config.replace(recent_tokens=max(1, base.recent_tokens
+                                                      - (config.flush_tokens - base.flush_tokens) // 2))
         bits = history_bits(config, rotations, layers)
         if bits > budget + 1e-9:
             scores[layout.name] = {"history_bits": bits, "held_out_kl": None}
             continue
         bundle = rotations if layout.rotated_keys else rotations.with_identity_keys()
-        scores[layout.name] = {"history_bits": bits, "held_out_kl": held_out_kl(model, bundle, config, chunks)}
+        if reference is None:
+            reference = default_logprobs(model, chunks)
+        scores[layout.name] = {"history_bits": bits,
+                               "held_out_kl": held_out_kl(model, bundle, config, chunks, reference)}
         runs[layout.name] = (config, bundle)
     if not runs:
         cheapest = min(score["history_bits"] for score in scores.values())

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from helpers import austen, char_tokenizer, make_model
+from helpers import austen, build_family, char_tokenizer, make_model
 
 from oscar_hf import OscarConfig, OscarQuantizedCache, cache_kwargs, rotations_for_model
 from oscar_hf import autocalibrate as auto
@@ -181,3 +181,10 @@ def test_a_model_with_a_recipe_keeps_the_recipes_layout(hf_home, calibrations):
     found = auto.cached_rotations(model, char_tokenizer())
     assert found.recipe == "smollm2-135m" and "layout" not in found.rotations.calibration
     assert found.rotations.config == recipe_for_model(model).cache
+
+
+def test_latent_attention_keeps_its_one_layout_on_demand(hf_home, calibrations):
+    """Multi-head latent attention stores one latent per token: nothing to choose, even without a recipe."""
+    model = build_family("deepseek-v3-mla")
+    found = auto.cached_rotations(model, char_tokenizer())
+    assert found.recipe is None and "layout" not in found.rotations.calibration

@@ -89,7 +89,7 @@ def test_held_out_tokens_that_reach_no_history_are_refused(planted):
         choose_layout(model, rotations, list(token_ids(2, 20)))
 
 
-def test_held_out_kl_is_zero_where_nothing_is_quantized_and_grows_with_fewer_bits(planted):
+def test_held_out_kl_is_far_smaller_at_4_bits_than_at_2(planted):
     model, rotations, held_out = planted
     before = model.config._attn_implementation
     exact = layout_choice.held_out_kl(model, OscarRotations.identity(model.config), WINDOWS.replace(bits=4, k_clip=1,
@@ -115,6 +115,7 @@ def test_calibrate_chooses_on_its_held_out_tokens_and_info_shows_the_choice(tmp_
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(choose_layout=True, diagnostic_tokens=0), "diagnostic_tokens > 0"),
+    (dict(choose_layout=True, diagnostic_tokens=64), "the text left none after the 64 calibration tokens"),
     (dict(bit_budget=3.0), "bit_budget is the budget of choose_layout"),
     (dict(choose_layout="yes"), "choose_layout must be True or False"),
 ])

@@ -228,10 +228,12 @@ def test_tensor_parallel_over_two_gpus_generates_like_one_gpu_and_a_device_map(t
     one = calibrate_both(AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32,
                                                               device_map={"": 0}))
     for per_head, bundle in one.items():
-        two = OscarRotations.from_pretrained(tmp_path / f"calibrated-per-head-{per_head}")
+        two = OscarRotations.from_pretrained(tmp_path / f"calibrated-per-head-{per_head}-rank0")
         for name in ("key_eigenvalues", "value_eigenvalues"):
+            assert len(getattr(two, name)) == len(getattr(bundle, name)) == 4
             for a, b in zip(getattr(two, name), getattr(bundle, name)):
                 torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6)
+        assert len(two.diagnostics) == len(bundle.diagnostics) == 4
         for a, b in zip(two.diagnostics, bundle.diagnostics):
             assert a["score_kl"] == pytest.approx(b["score_kl"], rel=1e-2, abs=1e-6)
 

@@ -56,16 +56,19 @@ def test_a_rank_reading_the_other_heads_rotations_would_fail_the_comparison(run)
 @pytest.mark.parametrize("per_head", [False, True])
 def test_calibration_on_two_ranks_gives_one_process_bundle(run, per_head):
     root, _, bundles, _ = run
-    two, one = OscarRotations.from_pretrained(root / f"calibrated-per-head-{per_head}"), bundles[per_head]
-    assert two.per_head == per_head and two.calibration["tokens"] == one.calibration["tokens"]
-    for name in ("key_rotation", "value_rotation", "key_eigenvalues", "value_eigenvalues"):
-        for a, b in zip(getattr(two, name), getattr(one, name)):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    assert [row["layer"] for row in two.diagnostics] == [row["layer"] for row in one.diagnostics]
-    for a, b in zip(two.diagnostics, one.diagnostics):
-        assert a["tokens"] == b["tokens"]
-        for metric in ("k_error", "v_error", "score_kl", "output_error", "k_clip_rate", "v_clip_rate"):
-            assert a[metric] == pytest.approx(b[metric], rel=1e-4, abs=1e-7), metric
+    one = bundles[per_head]
+    for rank in range(2):  # every rank computes the whole bundle
+        two = OscarRotations.from_pretrained(root / f"calibrated-per-head-{per_head}-rank{rank}")
+        assert two.per_head == per_head and two.calibration["tokens"] == one.calibration["tokens"]
+        for name in ("key_rotation", "value_rotation", "key_eigenvalues", "value_eigenvalues"):
+            assert len(getattr(two, name)) == len(getattr(one, name)) == 2
+            for a, b in zip(getattr(two, name), getattr(one, name)):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        assert [row["layer"] for row in two.diagnostics] == [row["layer"] for row in one.diagnostics] == [0, 1]
+        for a, b in zip(two.diagnostics, one.diagnostics):
+            assert a["tokens"] == b["tokens"] and a["k_error"] > 0
+            for metric in ("k_error", "v_error", "score_kl", "output_error", "k_clip_rate", "v_clip_rate"):
+                assert a[metric] == pytest.approx(b[metric], rel=1e-4, abs=1e-7), metric
 
 
 # ------------------------------------------------------------------------------------ one process

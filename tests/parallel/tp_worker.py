@@ -3,8 +3,8 @@ it runs on each rank and on one process alike, and its launcher.
 
 argv: model folder, output folder, the caches' dtype, bundle folders. Writes ``rank{r}.safetensors``: per bundle, the
 logits of a prompt and of teacher-forced decode steps through an OscarQuantizedCache, greedy tokens, and the cache's
-bytes; rank 0 also saves bundles calibrated on the tensor-parallel model in float32 (shared and per head, with
-diagnostics).
+bytes; and each rank saves the bundles it calibrated on the tensor-parallel model in float32 (shared and per head,
+with diagnostics).
 """
 
 import json
@@ -93,8 +93,7 @@ def main(model_dir: str, out: str, dtype: str, *bundles: str) -> None:
         tensors |= {f"{name}.logits": logits.contiguous(), f"{name}.tokens": tokens.contiguous()}
         nbytes[name] = cache.nbytes
     for per_head, rotations in calibrate_both(model if dtype == "float32" else load(torch.float32)).items():
-        if tp.rank == 0:
-            rotations.save_pretrained(Path(out) / f"calibrated-per-head-{per_head}")
+        rotations.save_pretrained(Path(out) / f"calibrated-per-head-{per_head}-rank{tp.rank}")
     save_file(tensors, str(Path(out) / f"rank{tp.rank}.safetensors"), metadata={"nbytes": json.dumps(nbytes)})
 
 
