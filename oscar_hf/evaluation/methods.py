@@ -22,6 +22,8 @@ from ..rotations import OscarRotations
 NO_CLIP = {"k_clip": 1.0, "v_clip": 1.0}
 # the baselines, without our additions; K as many bits as V whatever the calibrated bundle's config says
 AS_PUBLISHED = {"quantizer": "uniform", "centering": False, "key_bits": None, "key_bits_layers": None, **NO_CLIP}
+# the per-token baselines quantize K per token whatever K layout the calibrated bundle recommends
+PER_TOKEN = {**AS_PUBLISHED, "key_quantization": "per-token"}
 INT2 = {"bits": 2, "key_bits": None, "key_bits_layers": None}
 ROTATION_SOURCES = (None, "identity", "hadamard", "calibrated", "calibrated-values")
 CALIBRATED = ("calibrated", "calibrated-values")  # the sources that read the calibrated bundle
@@ -107,19 +109,19 @@ METHODS: dict[str, Method] = {
             "int4",
             "INT4 per token, group 128 (or head_dim), identity rotation, no clipping",
             "identity",
-            {"bits": 4, "group_size": "min(128, head_dim)", **AS_PUBLISHED},
+            {"bits": 4, "group_size": "min(128, head_dim)", **PER_TOKEN},
         ),
         Method(
             "naive-int2",
             "INT2 per token, identity rotation, no clipping",
             "identity",
-            AS_PUBLISHED,
+            PER_TOKEN,
         ),
         Method(
             "quarot-int2",
             "INT2 per token, Hadamard rotation, no clipping",
             "hadamard",
-            AS_PUBLISHED,
+            PER_TOKEN,
         ),
         # KIVI keeps a full-precision residual of R = 128 tokens (its code: V's is exactly 128, K's 0..127, since
         # it quantizes K's residual whenever 128 have gathered). Here K and V share one window, which holds

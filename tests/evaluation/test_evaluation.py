@@ -109,6 +109,11 @@ def test_methods_registry_presets():
     calibrated.diagnostics = [{"layer": 0, "score_kl": 0.1}, {"layer": 1, "score_kl": 0.3}]
     half = make_cache("oscar-k4-half", model, calibrated)
     assert half.config.key_bits_layers == [1]
+    per_channel = calibrated.config.replace(key_quantization="per-channel", flush_tokens=64, k_clip=1.0)
+    calibrated.config = per_channel  # a bundle recommending per-channel K: the per-token baselines stay per token
+    for name in ("int4", "naive-int2", "quarot-int2"):
+        assert make_cache(name, model, calibrated).config.key_quantization == "per-token", name
+    assert make_cache("oscar", model, calibrated).config.key_quantization == "per-channel"
     calibrated.config = OscarConfig(centering=False, key_bits=4, key_bits_layers=[0], sink_tokens=8)
     assert make_cache("oscar-bundle", model, calibrated).config == calibrated.config  # no preset over the bundle's
     assert [layer.config.side_bits["key"] for layer in half.layers] == [2, 4]
