@@ -61,7 +61,8 @@ def quantized_layers(model_config, rotations: OscarRotations, config: OscarConfi
 
 
 def history_bits(config: OscarConfig, rotations: OscarRotations, layers: list[int]) -> float:
-    """Bits per history element of ``config`` over ``layers``, weighted by each layer's K/V elements."""
+    """Bits per history element of ``config`` over ``layers``, weighted by each layer's K/V elements: codes, scales
+    and zeros (a centered side's per-sequence mean adds 32 bits per head over the history's length)."""
     weights = [rotations.kv_heads[i] * rotations.head_dims[i] for i in layers]
     bits = [config.for_layer(i).bits_per_element(rotations.head_dims[i]) for i in layers]
     return sum(w * b for w, b in zip(weights, bits)) / sum(weights)
