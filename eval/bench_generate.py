@@ -75,8 +75,9 @@ transformers' ``tp_plan="auto"`` (its attention heads and MLP split over the N G
 a folder holding the config and no weights, so that transformers initializes each rank's shards (random weights, as
 above). Each rank's cache holds its KV heads (the OSCAR cache reads the rank from the model); every rank runs the same
 generate, and rank 0 times it on its GPU and writes the results. Memory columns (``cache_gb``, ``peak_mem_gb``, ...)
-are rank 0's GPU; the ``tp`` column says over how many GPUs. Models with multi-head latent attention are refused
-(transformers' plans do not split it).
+are rank 0's GPU; the ``tp`` column says over how many GPUs. The ranks agree on every skip (time budget, memory
+pre-check), but a case that raises on one rank alone leaves the others waiting in a collective: stop such a run.
+Models with multi-head latent attention are refused (transformers' plans do not split it).
 
 Prefill (``prefill_s``): a real ``generate(max_new_tokens=1)`` over T random tokens at batch 1, and at the grid's
 second batch (8) for the shortest T, eager for every method (``disable_compile``); it is retried with
