@@ -196,9 +196,9 @@ METHODS: dict[str, Method] = {
         ),
         Method(
             "oscar-lloyd-max",
-            "as oscar, with Lloyd-Max levels",
+            "as oscar, with Lloyd-Max levels (K per token: the levels are per token)",
             "calibrated",
-            {"quantizer": "lloyd-max", "centering": True, **INT2},
+            {"quantizer": "lloyd-max", "centering": True, "key_quantization": "per-token", **INT2},
         ),
         # transformers' own quantized cache, in its defaults but for the bits: INT2 codes in groups of 64 values, the
         # newest tokens (up to 128) in the model dtype; pip install "oscar-hf[baselines]"
