@@ -104,13 +104,14 @@ def cmd_calibrate(args) -> None:
     from .autocalibrate import SHIPPED_TEXT_NAME, bundle_folder
     from .calibrate import _state, calibrate, calibration_token_ids
     from .diagnostics import format_table
+    from .model_support import ModelShape
     from .recipes import load_recipe, recipe_for_model
 
     if args.key_bits_fraction is not None and (args.key_bits is None or not 0 <= args.key_bits_fraction <= 1):
         raise SystemExit("error: --key-bits-fraction takes a number in [0, 1] and needs --key-bits")
     if args.choose_layout and args.key_bits is not None:
         raise SystemExit("error: --choose-layout chooses K's bits itself; leave out --key-bits")
-    if args.bit_budget is not None and not args.choose_layout:
+    if args.bit_budget is not None and (args.choose_layout is False or args.key_bits is not None):
         raise SystemExit("error: --bit-budget is the budget of --choose-layout")
     recipe = None if args.recipe in ("auto", "none") else load_recipe(args.recipe)
     texts = load_texts(args.data)  # first: a missing file or package fails before the model loads
@@ -121,9 +122,15 @@ def cmd_calibrate(args) -> None:
     for key in ("num_tokens", "max_length", "k_target", "v_target", "composition", "eigen_order", "per_head"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
+    choose = args.choose_layout
+    if choose is None:  # by default: a model without a recipe, where the held-out tokens reach the history
+        choose = args.bit_budget is not None or (
+            recipe is None and args.key_bits is None and ModelShape.from_config(model.config).latent is None
+            and held_out_reaches_history(tokenizer, texts, settings, args.diagnostic_tokens))
     if _state().is_main_process:
         print(f"recipe: {recipe.name} ({recipe.model})" if recipe else
-              "recipe: none (calibrate's defaults: K target qqt, V target sst, the default cache config)")
+              "recipe: none (calibrate's defaults: K target qqt, V target sst, "
+              + ("the layout chosen on the held-out tokens)" if choose else "the default cache config)"))
     rotations = calibrate(
         model,
         tokenizer,
@@ -131,7 +138,7 @@ def cmd_calibrate(args) -> None:
         config=recipe.cache if recipe else None,
         batch_size=args.batch_size,
         diagnostic_tokens=args.diagnostic_tokens,
-        choose_layout=args.choose_layout,
+        choose_layout=choose,
         bit_budget=args.bit_budget,
         **settings,
     )
@@ -155,6 +162,23 @@ def cmd_calibrate(args) -> None:
         print(format_table(rotations.diagnostics))
     if args.push_to_hub:
         print(rotations.push_to_hub(args.push_to_hub, subfolder=args.subfolder))
+
+
+def held_out_reaches_history(tokenizer, texts, settings: dict, diagnostic_tokens: int) -> bool:
+    """Whether calibration's first held-out chunk would be longer than the default windows (sink + recent), so that a
+    layout can be scored on it (oscar_hf.layout_choice)."""
+    from .autocalibrate import CALIBRATE_DEFAULTS
+    from .calibrate import HELD_OUT_LENGTH, calibration_token_ids
+    from .config import OscarConfig
+    from .tokens import bos_prefix, text_tokens_in
+
+    if diagnostic_tokens < 1:
+        return False
+    used = {**CALIBRATE_DEFAULTS, **settings}
+    ids = calibration_token_ids(tokenizer, texts, used["num_tokens"], used["max_length"], diagnostic_tokens)
+    held_out = len(ids) - min(len(ids), text_tokens_in(used["num_tokens"], used["max_length"], bos_prefix(tokenizer)))
+    windows = OscarConfig().sink_tokens + OscarConfig().recent_tokens
+    return min(held_out, used["max_length"], HELD_OUT_LENGTH) > windows
 
 
 def recommend_key_bits(rotations, key_bits: int, fraction: float | None):
@@ -352,9 +376,11 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--key-bits-fraction", type=float, metavar="F",
                      help="with --key-bits: only in this fraction of the layers, those whose diagnostics show the "
                           "largest attention-score KL (default: every layer)")
-    cal.add_argument("--choose-layout", action="store_true",
-                     help="choose the bundle's config from the diagnostics (K per token or per channel, centering, "
-                          "4-bit K where it pays) within --bit-budget")
+    cal.add_argument("--choose-layout", action=argparse.BooleanOptionalAction, default=None,
+                     help="choose the bundle's config on the held-out tokens (K per token or per channel, centering, "
+                          "4-bit K where it pays) within --bit-budget (default: for a model without a recipe, where "
+                          "the held-out tokens reach the quantized history; --no-choose-layout: the recipe's or the "
+                          "default config)")
     cal.add_argument("--bit-budget", type=float, metavar="BITS",
                      help="with --choose-layout: history bits per element at most (default 2.6, or the 2-bit "
                           "layout's cost where more)")

@@ -63,6 +63,32 @@ def test_calibrate_prints_the_table(model_dir, data_file, tmp_path, capsys):
     assert "k_error" in out and "mean" in out
 
 
+def test_calibrate_chooses_the_layout_of_a_model_without_a_recipe(model_dir, tmp_path, capsys):
+    """By default a model without a recipe has its layout chosen where the held-out tokens reach the quantized history
+    (a 512-token held-out chunk against the default 64 + 256 windows); --no-choose-layout keeps the default config;
+    the 1,024-character text of the other tests leaves chunks too short, and no choice is made there."""
+    data = tmp_path / "long.txt"
+    data.write_text(austen(2000), encoding="utf-8")
+    main(["calibrate", model_dir, "--data", str(data), "--out", str(tmp_path / "chosen"), "--num-tokens", "300",
+          "--max-length", "512", "--diagnostic-tokens", "512", "--dtype", "float32"])
+    assert "the layout chosen on the held-out tokens" in capsys.readouterr().out
+    chosen = OscarRotations.from_pretrained(tmp_path / "chosen")
+    assert chosen.calibration["layout"]["chosen"] in chosen.calibration["layout"]["candidates"]
+    main(["calibrate", model_dir, "--data", str(data), "--out", str(tmp_path / "kept"), "--num-tokens", "300",
+          "--max-length", "512", "--diagnostic-tokens", "512", "--dtype", "float32", "--no-choose-layout"])
+    kept = OscarRotations.from_pretrained(tmp_path / "kept")
+    assert "layout" not in kept.calibration and kept.config == OscarConfig()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--bit-budget", "3", "--no-choose-layout"], "--bit-budget is the budget of --choose-layout"),
+    (["--choose-layout", "--key-bits", "4"], "chooses K's bits itself"),
+])
+def test_calibrate_refuses_contradicting_layout_options(model_dir, data_file, tmp_path, extra, message):
+    with pytest.raises(SystemExit, match=message):
+        run_calibrate(model_dir, data_file, tmp_path / "out", *extra)
+
+
 def test_calibrate_recommends_key_bits_for_the_most_sensitive_layers(model_dir, data_file, tmp_path):
     run_calibrate(model_dir, data_file, tmp_path / "half", "--key-bits", "4", "--key-bits-fraction", "0.5")
     bundle = OscarRotations.from_pretrained(tmp_path / "half")
