@@ -1,10 +1,10 @@
-"""The storage layout of a model, chosen by calibration from held-out diagnostics within a bit budget.
+"""The storage layout of a model, chosen by calibration on held-out tokens within a bit budget.
 
 Each candidate of ``LAYOUTS`` is a 2-bit K layout (per token on the rotated keys, or per channel on the unrotated
 ones: KIVI's grid, which gives large constant key channels scales of their own) with or without centering, on top of
 the base config (its other fields kept). Per-channel K demotes ``flush_tokens = 64`` tokens at a time, so its recent
 window is shortened by half the difference in flush sizes: both windows then hold the same number of exact tokens on
-average. Every candidate
+average, and every candidate is scored on the same positions (those after the base config's windows). Every candidate
 within the budget is scored end to end: the mean KL between the model's next-token distributions with the default
 cache and with an OSCAR cache of that layout, over held-out chunks fed in pieces (:func:`held_out_kl`), and the lowest
 wins. (Per-layer diagnostics, which quantize each layer's K/V with exact inputs, can rank layouts otherwise than the
@@ -89,29 +89,31 @@ def default_logprobs(model, chunks: list[torch.Tensor]) -> list[list[torch.Tenso
 
 @torch.no_grad()
 def held_out_kl(model, rotations: OscarRotations, config: OscarConfig, chunks: list[torch.Tensor],
-                reference: list[list[torch.Tensor]] | None = None) -> float:
+                reference: list[list[torch.Tensor]] | None = None, first: int | None = None) -> float:
     """Mean ``KL(default cache ‖ OSCAR cache)`` of the next-token distributions over the held-out ``chunks`` (1-D
     token ids), each fed ``PIECE`` tokens per forward into a fresh cache, so that every piece attends to the earlier
     ones through the quantized history; ``reference``: :func:`default_logprobs` of the chunks, if computed already.
-    Positions with no quantized token before them (the first ``sink_tokens + recent_tokens``) are left out."""
+    Positions before ``first`` are left out (default ``sink_tokens + recent_tokens``: those with no quantized token
+    before them)."""
     from .cache import OscarQuantizedCache, enable
 
     previous = _attention_implementations(model.config)
     enable(model)
     total = count = 0.0
+    first = config.sink_tokens + config.recent_tokens if first is None else first
     try:
         reference = reference if reference is not None else default_logprobs(model, chunks)
         for chunk, expected in zip(chunks, reference):
             oscar = OscarQuantizedCache(model.config, rotations, config, tensor_parallel=TensorParallel.of(model))
             for i, (p, q) in enumerate(zip(expected, _pieces(model, chunk, oscar))):
-                kl = (p.exp() * (p - q)).sum(-1)[max(0, config.sink_tokens + config.recent_tokens - i * PIECE):]
+                kl = (p.exp() * (p - q)).sum(-1)[max(0, first - i * PIECE):]
                 total, count = total + float(kl.sum()), count + kl.numel()
     finally:
         model.set_attn_implementation(previous)
     if not count:
         raise ValueError(f"the held-out chunks ({max(c.numel() for c in chunks)} tokens at most) reach no quantized "
-                         f"history (sink {config.sink_tokens} + recent {config.recent_tokens} tokens): nothing to "
-                         "score")
+                         f"history (nothing scored before position {first}: sink {config.sink_tokens} + recent "
+                         f"{config.recent_tokens} tokens): nothing to score")
     return total / count
 
 
@@ -141,8 +143,8 @@ def choose_layout(model, rotations: OscarRotations, chunks: list[torch.Tensor], 
         bundle = rotations if layout.rotated_keys else rotations.with_identity_keys()
         if reference is None:
             reference = default_logprobs(model, chunks)
-        scores[layout.name] = {"history_bits": bits,
-                               "held_out_kl": held_out_kl(model, bundle, config, chunks, reference)}
+        kl = held_out_kl(model, bundle, config, chunks, reference, first=base.sink_tokens + base.recent_tokens)
+        scores[layout.name] = {"history_bits": bits, "held_out_kl": kl}  # every candidate on the same positions
         runs[layout.name] = (config, bundle)
     if not runs:
         cheapest = min(score["history_bits"] for score in scores.values())
