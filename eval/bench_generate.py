@@ -120,7 +120,6 @@ import statistics
 import tempfile
 import time
 import traceback
-import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -413,10 +412,13 @@ def tensor_parallel_model(name: str, config) -> torch.nn.Module:
     folder.mkdir(exist_ok=True)
     config.save_pretrained(folder)
     save_file({}, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    with warnings.catch_warnings(), transformers.logging.set_verbosity_error() or contextlib.nullcontext():
-        warnings.simplefilter("ignore")
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # its load report lists every weight as missing, as intended
+    try:
         return AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=torch.bfloat16,
                                                     attn_implementation="sdpa")
+    finally:
+        transformers.logging.set_verbosity(verbosity)
 
 
 def local_shape(model: torch.nn.Module) -> ModelShape:

@@ -32,12 +32,11 @@ from pathlib import Path
 
 import torch
 
-from .calibrate import calibrate, calibration_token_ids
+from .calibrate import calibrate, calibration_token_ids, first_held_out_length
 from .config import OscarConfig
 from .model_support import ModelShape
 from .recipes import Recipe, load_recipe, model_name, recipe_for_model
 from .rotations import OscarRotations
-from .tokens import bos_prefix, text_tokens_in
 
 logger = logging.getLogger(__name__)
 
@@ -181,8 +180,7 @@ def cached_rotations(
         diagnostic_tokens = max(diagnostic_tokens, CHOICE_TOKENS)
     ids = calibration_token_ids(tokenizer, [shipped_text()] if texts is None else texts, settings["num_tokens"],
                                 settings["max_length"], diagnostic_tokens)
-    held_out = len(ids) - min(len(ids), text_tokens_in(settings["num_tokens"], settings["max_length"],
-                                                        bos_prefix(tokenizer)))
+    held_out = first_held_out_length(tokenizer, ids, settings["num_tokens"], settings["max_length"])
     if choose and held_out <= config.sink_tokens + config.recent_tokens:
         logger.warning("oscar-hf: the calibration text leaves %d held-out tokens, too few to choose a layout (more "
                        "than %d): the default layout", held_out, config.sink_tokens + config.recent_tokens)

@@ -168,6 +168,13 @@ def calibration_token_ids(tokenizer, texts, num_tokens: int, max_length: int, he
     return _calibration_ids(tokenizer, texts, num_tokens, max_length, held_out_tokens, bos_prefix(tokenizer))[0]
 
 
+def first_held_out_length(tokenizer, ids: torch.Tensor, num_tokens: int, max_length: int) -> int:
+    """Text tokens in the first held-out chunk ``token_chunks`` cuts from ``ids`` (``calibration_token_ids``' output
+    for these counts): 0 where the text leaves none after the calibration tokens."""
+    held_out = len(ids) - min(len(ids), text_tokens_in(num_tokens, max_length, bos_prefix(tokenizer)))
+    return min(held_out, _held_out_length(max_length))
+
+
 def _held_out_length(max_length: int) -> int:
     return min(max_length, HELD_OUT_LENGTH)
 

@@ -67,7 +67,7 @@ class CaptureLayer(CacheLayerMixin):
 
     is_sliding = False
 
-    def __init__(self, observer: Observer, layer_idx: int, heads: tuple[int, int] = (0, 0),
+    def __init__(self, observer: Observer, layer_idx: int, heads: tuple[int, int],
                  tensor_parallel: TensorParallel | None = None):
         super().__init__()
         self.observer, self.layer_idx = observer, layer_idx

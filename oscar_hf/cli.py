@@ -168,17 +168,15 @@ def held_out_reaches_history(tokenizer, texts, settings: dict, diagnostic_tokens
     """Whether calibration's first held-out chunk would be longer than the default windows (sink + recent), so that a
     layout can be scored on it (oscar_hf.layout_choice)."""
     from .autocalibrate import CALIBRATE_DEFAULTS
-    from .calibrate import HELD_OUT_LENGTH, calibration_token_ids
+    from .calibrate import calibration_token_ids, first_held_out_length
     from .config import OscarConfig
-    from .tokens import bos_prefix, text_tokens_in
 
     if diagnostic_tokens < 1:
         return False
     used = {**CALIBRATE_DEFAULTS, **settings}
     ids = calibration_token_ids(tokenizer, texts, used["num_tokens"], used["max_length"], diagnostic_tokens)
-    held_out = len(ids) - min(len(ids), text_tokens_in(used["num_tokens"], used["max_length"], bos_prefix(tokenizer)))
     windows = OscarConfig().sink_tokens + OscarConfig().recent_tokens
-    return min(held_out, used["max_length"], HELD_OUT_LENGTH) > windows
+    return first_held_out_length(tokenizer, ids, used["num_tokens"], used["max_length"]) > windows
 
 
 def recommend_key_bits(rotations, key_bits: int, fraction: float | None):
