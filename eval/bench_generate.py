@@ -16,7 +16,8 @@ each optionally run a benchmark way, ``<method>[+variant...]`` (``BenchMethod``)
 (``make_cache``). Its calibrated methods (oscar, oscar-k4, ...) get ``OscarRotations.hadamard(model.config)`` as
 their bundle: random weights have nothing to calibrate and a rotation's values do not change the timings; the
 bundle recommends no config, so the method's preset sits on the OscarConfig defaults (INT2, sink 64, recent 256;
-backend "auto": the Triton kernels on CUDA). Methods that need the bundle's diagnostics (oscar-k4-half) are refused.
+backend "auto": the Triton kernels on CUDA). Methods that read key codebooks (oscar-pq1, oscar-pq2) get random ones of
+the right shapes, for the same reason. Methods that need the bundle's diagnostics (oscar-k4-half) are refused.
 The variants (``VARIANTS``):
 
 * ``compiled``: static buffers for T+N tokens, so that generate compiles the whole decode forward into one graph with
@@ -149,6 +150,7 @@ from oscar_hf import (
     cache_kwargs,
     overlapped_sample,
 )
+from oscar_hf.codebooks import CENTROIDS, KeyCodebook
 from oscar_hf.evaluation.environment import GIB, GPU_STATE, device_slug, environment, gpu_state
 from oscar_hf.evaluation.methods import METHODS, Method, make_cache
 from oscar_hf.generation import deferred_stop_check
@@ -272,6 +274,18 @@ VARIANTS = {  # ways to run a registry method that only the benchmark has (the m
 }
 
 
+def standin_codebooks(bundle: OscarRotations, bits: int, device) -> list[KeyCodebook]:
+    """Random key codebooks of ``bits`` bits for every layer of ``bundle`` (identity basis, unit weights): a
+    codebook's values do not change the timings."""
+    generator = torch.Generator().manual_seed(0)
+    books = []
+    for dim in bundle.head_dims:
+        sub = 8 // bits
+        books.append(KeyCodebook(torch.randn(1, dim // sub, CENTROIDS, sub, generator=generator),
+                                 torch.eye(dim)[None], torch.ones(1, dim)).to(device))
+    return books
+
+
 @dataclass(frozen=True)
 class BenchMethod:
     """A method of the registry (``oscar_hf.evaluation.METHODS``) and the VARIANTS it runs with; ``name``,
@@ -330,6 +344,9 @@ class BenchMethod:
         bundle = None
         if self.method.needs_calibration:
             bundle = OscarRotations.hadamard(model.config)
+            if self.method.key_codebook_bits is not None:
+                bundle.key_codebooks = {self.method.key_codebook_bits: standin_codebooks(
+                    bundle, self.method.key_codebook_bits, model.device)}
             if "absorbed" in self.variants:  # random weights stay random weights of the same shapes
                 if ModelShape.from_config(model.config).latent is None:
                     bundle = absorb_value_rotation(model, bundle)

@@ -114,4 +114,5 @@ def _absorbed(rotations: OscarRotations, value_rotation, flag: str) -> OscarRota
         calibration={**rotations.calibration, flag: True},
         config=rotations.config,
         diagnostics=rotations.diagnostics,
+        key_codebooks=rotations.key_codebooks,
     )

@@ -27,6 +27,7 @@ import shutil
 import tempfile
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,7 +113,7 @@ def config_fingerprint(config) -> dict:
 
 def bundle_folder(model, settings: dict, config: OscarConfig, token_ids: torch.Tensor,
                   cache_dir: str | os.PathLike | None = None, diagnostic_tokens: int = 0,
-                  choose_layout: bool = False) -> Path:
+                  choose_layout: bool = False, key_codebook_bits: Sequence[int] = ()) -> Path:
     """``<cache_dir>/<model>/<revision>-<key>`` (module docstring); ``cache_dir`` defaults to
     :func:`rotations_cache_dir`."""
     name = model_name(model)
@@ -123,7 +124,8 @@ def bundle_folder(model, settings: dict, config: OscarConfig, token_ids: torch.T
         "format": 1,
         "model": config_fingerprint(model.config),
         "calibration": {**settings, "diagnostic_tokens": diagnostic_tokens,
-                        **({"choose_layout": True} if choose_layout else {})},
+                        **({"choose_layout": True} if choose_layout else {}),
+                        **({"key_codebook_bits": sorted(key_codebook_bits)} if key_codebook_bits else {})},
         "cache": config.to_dict(),
         "tokens": hashlib.sha256(token_ids.to(torch.int64).numpy().tobytes()).hexdigest(),
     }
@@ -155,6 +157,7 @@ def cached_rotations(
     diagnostic_tokens: int = 0,
     cache_dir: str | os.PathLike | None = None,
     show_progress: bool = True,
+    key_codebook_bits: Sequence[int] = (),
 ) -> CachedRotations:
     """The rotations for ``model`` from its folder in the cache (module docstring), calibrated first if there is none.
 
@@ -165,9 +168,11 @@ def cached_rotations(
         num_tokens, recipe: see :func:`calibration_settings`.
         diagnostic_tokens: held-out tokens for the bundle's per-layer diagnostics (0: none).
         cache_dir: the folder that holds the bundles; default :func:`rotations_cache_dir`.
+        key_codebook_bits: product-quantized key codebooks the bundle must hold (:mod:`oscar_hf.codebooks`).
     """
+    key_codebook_bits = tuple(sorted(set(key_codebook_bits)))
     memo_key = (num_tokens, recipe if not isinstance(recipe, Recipe) else recipe.name, diagnostic_tokens,
-                str(Path(cache_dir or rotations_cache_dir()).expanduser()))
+                str(Path(cache_dir or rotations_cache_dir()).expanduser()), key_codebook_bits)
     reused = _reused.get(model, {}).get(memo_key) if texts is None else None
     if reused is not None:
         return CachedRotations(reused.rotations, reused.path, False, 0.0, reused.recipe, reused.settings)
@@ -185,7 +190,7 @@ def cached_rotations(
         logger.warning("oscar-hf: the calibration text leaves %d held-out tokens, too few to choose a layout (more "
                        "than %d): the default layout", held_out, config.sink_tokens + config.recent_tokens)
         choose = False
-    path = bundle_folder(model, settings, config, ids, cache_dir, diagnostic_tokens, choose)
+    path = bundle_folder(model, settings, config, ids, cache_dir, diagnostic_tokens, choose, key_codebook_bits)
     name = model_name(model) or type(model).__name__
     recipe_name = recipe.name if recipe else None
     rotations = _read(path)
@@ -200,7 +205,7 @@ def cached_rotations(
             f"the recipe {recipe_name!r}" if recipe else "the default settings", path)
         start = time.perf_counter()
         rotations = calibrate(model, tokenizer, [ids], **settings, diagnostic_tokens=diagnostic_tokens, config=config,
-                              show_progress=show_progress, choose_layout=choose)
+                              show_progress=show_progress, choose_layout=choose, key_codebook_bits=key_codebook_bits)
         seconds = time.perf_counter() - start
         rotations.source_model = model_name(model) or None
         rotations.calibration.update(data=data, recipe=recipe_name, tokens_sha256=hashlib.sha256(

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import cache_utils
@@ -43,6 +44,9 @@ from .model_support import ModelShape, check_model_supported
 from .parallel import TensorParallel
 from .quantizer import QuantizedRows, quantize
 from .rotations import OscarRotations
+
+if TYPE_CHECKING:
+    from .codebooks import KeyCodebook
 
 # set, in a model's config and in the bundle absorb_latent_rotation returns, where kv_b_proj holds the latent rotation
 LATENT_ABSORBED = "latent_rotation_absorbed"
@@ -256,9 +260,10 @@ class OscarLayer(_GrowingLayer):
     graph_step = False  # decode steps as device-only operators
     tensor_parallel: TensorParallel | None = None  # set by the cache for a tensor-parallel model
 
-    def __init__(self, config: OscarConfig, key_rotation: torch.Tensor, value_rotation: torch.Tensor):
+    def __init__(self, config: OscarConfig, key_rotation: torch.Tensor, value_rotation: torch.Tensor, *,
+                 key_codebook: KeyCodebook | None = None):
         """``key_rotation``, ``value_rotation``: the layer's ``[D, D]`` (shared by its KV heads) or ``[H, D, D]`` (one
-        per KV head)."""
+        per KV head); ``key_codebook``: its K codebook, for product-quantized K."""
         super().__init__()
         if config.key_bits_layers is not None:
             raise ValueError("an OSCAR layer takes one layer's config: pass OscarConfig.for_layer(layer_idx), which "
@@ -269,6 +274,7 @@ class OscarLayer(_GrowingLayer):
         self.value_rotation = value_rotation.detach().clone()
         # an identity rotation (data-free baselines, per-channel K, an absorbed V) costs no GEMM per step
         self.rotates_keys, self.rotates_values = (not _is_identity(r) for r in (key_rotation, value_rotation))
+        self.key_codebook = key_codebook if config.key_layout.uses_codebook else None
         self.counts: list[int] | torch.Tensor = [0, 0, 0, 0]  # sink, history, recent, ring start
         self._last_update: _UpdateRecord | None = None  # what crop needs to take back the last host-side update
         self._packed: PackedKV | None = None  # a static layer's PackedKV: its buffers and counts never move
@@ -308,6 +314,9 @@ class OscarLayer(_GrowingLayer):
             rotation = getattr(self, name)
             if tp is not None and rotation.ndim == 3 and rotation.shape[0] == heads * tp.size:
                 setattr(self, name, rotation[tp.heads(rotation.shape[0])])
+        book = self.key_codebook
+        if tp is not None and book is not None and book.heads == heads * tp.size:
+            self.key_codebook = book.select_heads(tp.heads(book.heads))
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, dim = key_states.shape
@@ -324,7 +333,9 @@ class OscarLayer(_GrowingLayer):
         cfg = self.config
         layout = cfg.key_layout
         self.group_size = cfg.resolved_group_size(dim)
-        self.writer = layout.writer(cfg, self.device)
+        if self.key_codebook is not None:
+            self.key_codebook = self.key_codebook.to(self.device)
+        self.writer = layout.writer(cfg, self.device, self.key_codebook)
         # row-major: the append kernel reads them as such; an identity is never read and stays where it is
         if self.rotates_keys:
             self.key_rotation = self.key_rotation.to(self.device, self.dtype).contiguous()
@@ -361,7 +372,8 @@ class OscarLayer(_GrowingLayer):
         packed = PackedKV(self.sink["key"], self.sink["value"], self.recent["key"], self.recent["value"],
                           *(QuantizedRows(h[f"{side}_codes"], h[f"{side}_scale"], h[f"{side}_zero"]) for side in SIDES),
                           counts, *cfg.side_bits.values(), self.group_size, *centers,
-                          cfg.key_layout.token_group(cfg), self.rotation("key"), self.rotation("value"))
+                          cfg.key_layout.token_group(cfg), self.rotation("key"), self.rotation("value"),
+                          self.key_codebook)
         if self.counts_on_device:
             self._packed = packed
         return packed
@@ -554,9 +566,12 @@ class OscarLayer(_GrowingLayer):
     # ---------------------------------------------------------------------------- accounting
     @property
     def nbytes(self) -> int:
-        """Bytes of every tensor this layer holds, capacity and the rotations it applies included."""
-        rotations = sum(r.numel() * r.element_size() for r in map(self.rotation, SIDES) if r is not None)
-        return sum(s.nbytes() for s in self._segments()) + (rotations if self.is_initialized else 0)
+        """Bytes of every tensor this layer holds, capacity and the rotations (and K codebook) it applies included."""
+        tables = [r for r in map(self.rotation, SIDES) if r is not None]
+        if self.key_codebook is not None:
+            tables += self.key_codebook.tensors().values()
+        fixed = sum(t.numel() * t.element_size() for t in tables)
+        return sum(s.nbytes() for s in self._segments()) + (fixed if self.is_initialized else 0)
 
     def stored_bits_and_elements(self) -> tuple[int, int]:
         """(bits of stored data, K and V elements stored) over the tokens in use."""
@@ -606,8 +621,8 @@ class SlidingOscarLayer(DynamicOscarLayer):
     EVICTION_STEP = 64
 
     def __init__(self, config: OscarConfig, key_rotation: torch.Tensor, value_rotation: torch.Tensor,
-                 sliding_window: int):
-        super().__init__(config, key_rotation, value_rotation)
+                 sliding_window: int, *, key_codebook: KeyCodebook | None = None):
+        super().__init__(config, key_rotation, value_rotation, key_codebook=key_codebook)
         self.sliding_window = sliding_window
         self.dropped = 0  # tokens dropped from the front: the position of the first one held
 
@@ -864,8 +879,8 @@ class StaticOscarLayer(OscarLayer):
     is_compileable = True
 
     def __init__(self, config: OscarConfig, key_rotation: torch.Tensor, value_rotation: torch.Tensor,
-                 max_cache_len: int):
-        super().__init__(config, key_rotation, value_rotation)
+                 max_cache_len: int, *, key_codebook: KeyCodebook | None = None):
+        super().__init__(config, key_rotation, value_rotation, key_codebook=key_codebook)
         self.max_cache_len = max_cache_len
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # a graph step's K/V left to the attention
 
@@ -1052,18 +1067,29 @@ class _LayerBuilder:
         if not shape.reads_own_kv(i):  # reads an earlier layer's K/V (KV sharing): stores nothing
             return NoKVLayer()
         cls, args = self.ATTENTION[shape.attention(i)](self, i)
+        kwargs = self._codebook(i, args[0]) if isinstance(cls, type) and issubclass(cls, OscarLayer) else {}
         if shape.has_state(i):
             with_state = (cache_utils.LinearAttentionLayer if cls is None else
                           cache_utils.LinearAttentionAndSlidingWindowAttentionLayer if cls is DynamicSlidingWindowLayer
                           else _with_state(cls))
-            return with_state(*args, number_of_states=shape.states[i])
-        return cls(*args) if cls is not None else NoKVLayer()
+            return with_state(*args, number_of_states=shape.states[i], **kwargs)
+        return cls(*args, **kwargs) if cls is not None else NoKVLayer()
+
+    def _codebook(self, i: int, config: OscarConfig) -> dict:
+        """``{"key_codebook": ...}`` where the layer's K layout reads the bundle's codebook (``config``: the
+        layer's)."""
+        if not config.key_layout.uses_codebook:
+            return {}
+        return {"key_codebook": self.rotations.key_codebook(i, config.side_bits["key"])}
 
     def _rotations(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotations.key_rotation[i], self.rotations.value_rotation[i]
 
     def full(self, i: int):
         if self.shape.latent is not None:
+            if self.config.key_layout.uses_codebook:
+                raise ValueError("product-quantized keys are not available for multi-head latent attention layers "
+                                 "(their history is the latent, stored per token)")
             if self.max_cache_len is not None:
                 raise ValueError("multi-head latent attention layers are stored on the host (the model expands the "
                                  "whole latent each step): build the cache without max_cache_len")

@@ -18,15 +18,18 @@ all-reduces need, and the capture gathers each rank's heads: every rank computes
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import nullcontext
 
 import torch
 from tqdm.auto import tqdm
 
 from .capture import run_capture
+from .codebooks import CODEBOOK_BITS, train_key_codebooks
 from .config import OscarConfig
 from .diagnostics import diagnose
 from .layout_choice import choose_layout as choose_layout_within
+from .layout_choice import quantized_layers
 from .model_support import check_model_supported
 from .parallel import TensorParallel
 from .rotations import OscarRotations, hadamard_matrix
@@ -285,6 +288,7 @@ def calibrate(
     per_head: bool = False,
     choose_layout: bool = False,
     bit_budget: float | None = None,
+    key_codebook_bits: Sequence[int] = (),
 ) -> OscarRotations:
     """Make OSCAR rotations for ``model`` from its own activations on ``texts``.
 
@@ -307,6 +311,8 @@ def calibrate(
             4-bit K in the layers where it pays) on the held-out tokens, within ``bit_budget`` history bits per
             element (default 2.6, or the 2-bit layout's cost where that is more): :mod:`oscar_hf.layout_choice`.
             Needs held-out tokens (``diagnostic_tokens > 0``, and text enough for them).
+        key_codebook_bits: bit widths (1, 2) of product-quantized key codebooks to train on the calibration tokens
+            (:mod:`oscar_hf.codebooks`), for ``key_quantization="product"``; ``config``'s own are always trained.
     Returns:
         OscarRotations with float32 ``[layers, D, D]`` rotations (``[layers, H, D, D]`` per head) and ascending
         eigenvalues.
@@ -331,6 +337,9 @@ def calibrate(
     compose_rotation(torch.eye(2, dtype=torch.float64), torch.ones(2), composition)  # validates the letters
     shape = check_model_supported(model)
     config = config or OscarConfig()
+    codebook_bits = _codebook_bits(key_codebook_bits, config)
+    if codebook_bits and shape.latent is not None:
+        raise ValueError("key codebooks are for per-head K/V: a multi-head latent attention model stores its latent")
     chunks, held_out = token_chunks(tokenizer, texts, num_tokens, max_length, diagnostic_tokens)
     used = sum(c.numel() for c in chunks)
 
@@ -403,6 +412,13 @@ def calibrate(
         },
         config=config,
     )
+    if codebook_bits:  # for the layers the cache quantizes (not the sliding-window ones it leaves to transformers)
+        stored = quantized_layers(model.config, rotations, config.replace(key_quantization="per-token", key_bits=None,
+                                                                         key_bits_layers=None))
+        rotations.key_codebooks = train_key_codebooks(model, rotations, chunks, codebook_bits,
+                                                      sink_tokens=config.sink_tokens, layers=stored,
+                                                      show_progress=show_progress)
+        rotations.calibration["key_codebook_bits"] = codebook_bits
     if choose_layout:
         if not held_out:
             raise ValueError(f"choose_layout scores the layouts on held-out tokens, and the text left none after the "
@@ -411,3 +427,16 @@ def calibrate(
     if held_out:
         rotations.diagnostics = diagnose(model, rotations, held_out, config)
     return rotations
+
+
+def _codebook_bits(requested: Sequence[int], config: OscarConfig) -> list[int]:
+    """The key codebook widths to train: ``requested``, and those ``config`` stores K in where it uses codebooks."""
+    if isinstance(requested, (str, bytes)) or not all(b in CODEBOOK_BITS and type(b) is int for b in requested):
+        raise ValueError(f"key_codebook_bits must be a list of {' and '.join(map(str, CODEBOOK_BITS))}; got "
+                         f"{requested!r}")
+    bits = set(requested)
+    if config.key_layout.uses_codebook:
+        bits.add(config.side_bits["key"])
+        if config.key_bits_layers is not None:
+            bits.add(config.bits)
+    return sorted(bits)

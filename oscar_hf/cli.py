@@ -140,6 +140,7 @@ def cmd_calibrate(args) -> None:
         diagnostic_tokens=args.diagnostic_tokens,
         choose_layout=choose,
         bit_budget=args.bit_budget,
+        key_codebook_bits=args.key_codebooks,
         **settings,
     )
     rotations.source_model = source_model_id(args.model)
@@ -162,6 +163,19 @@ def cmd_calibrate(args) -> None:
         print(format_table(rotations.diagnostics))
     if args.push_to_hub:
         print(rotations.push_to_hub(args.push_to_hub, subfolder=args.subfolder))
+
+
+def codebook_bits(text: str) -> tuple[int, ...]:
+    """``--key-codebooks``: "1,2" → (1, 2)."""
+    from .codebooks import CODEBOOK_BITS
+
+    try:
+        bits = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        bits = ()
+    if not bits or not set(bits) <= set(CODEBOOK_BITS):
+        raise argparse.ArgumentTypeError(f"expected bits from {CODEBOOK_BITS}, comma-separated; got {text!r}")
+    return bits
 
 
 def held_out_reaches_history(tokenizer, texts, settings: dict, diagnostic_tokens: int) -> bool:
@@ -206,6 +220,11 @@ def cmd_info(args) -> None:
         config = OscarConfig()
         print("no recommended config in the bundle; using OscarConfig() defaults")
     print(f"config: {json.dumps(config.to_dict())}")
+    if rotations.key_codebooks:
+        books = [b for layers in rotations.key_codebooks.values() for b in layers if b is not None]
+        print(f"key codebooks: {', '.join(f'{bits}-bit' for bits in sorted(rotations.key_codebooks))} "
+              f"({'one per layer and KV head' if books and books[0].heads > 1 else 'one per layer'}; "
+              f"{sum(t.numel() * 4 for b in books for t in b.tensors().values()) / 2**20:.1f} MiB)")
     layout = rotations.calibration.get("layout")
     if layout:
         more_bits = layout["key_bits_layers"]
@@ -382,6 +401,10 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--bit-budget", type=float, metavar="BITS",
                      help="with --choose-layout: history bits per element at most (default 2.6, or the 2-bit "
                           "layout's cost where more)")
+    cal.add_argument("--key-codebooks", type=codebook_bits, default=(), metavar="BITS",
+                     help="also train product-quantized key codebooks of these bits per element, comma-separated "
+                          "(1, 2), for key_quantization='product' and the oscar-pq1 / oscar-pq2 methods (default: "
+                          "none, unless the recipe's config stores K so)")
     cal.add_argument("--batch-size", type=int, default=1, help="chunks per forward pass")
     cal.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=AUTO_DTYPE_HELP)
     cal.add_argument("--push-to-hub", metavar="REPO", help="also upload the bundle to this Hub repo (default: no)")

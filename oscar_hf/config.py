@@ -30,8 +30,9 @@ class OscarConfig:
 
     Args:
         bits: 2 (OSCAR) or 4 (INT4 reference): V's bits, and K's unless ``key_bits`` is set.
-        key_bits: K's bits, 2 or 4; ``None`` means ``bits``. Retrieval leans on the keys: a 2-bit history blurs
-            which of several similar tokens a head points at, and 4-bit keys with 2-bit values restore it.
+        key_bits: K's bits, 2 or 4 (product K: 1 or 2); ``None`` means ``bits``. Retrieval leans on the keys: a
+            2-bit history blurs which of several similar tokens a head points at, and 4-bit keys with 2-bit values
+            restore it.
         key_bits_layers: the layer indices whose K gets ``key_bits`` (the others' K gets ``bits``); ``None``
             means every layer. :func:`oscar_hf.diagnostics.most_sensitive_layers` picks them from a bundle's
             calibration diagnostics.
@@ -50,9 +51,10 @@ class OscarConfig:
             and added back on reading. Keys carry large constant channels that a per-token 2-bit grid wastes
             its levels on; removing them costs one vector per sequence and head. With per-channel K only V is
             centered (K's token groups already take out each channel's offset).
-        key_quantization: "per-token" (K like V) or "per-channel" (KIVI's key layout: one scale and zero per
+        key_quantization: "per-token" (K like V), "per-channel" (KIVI's key layout: one scale and zero per
             channel and group of ``flush_tokens`` consecutive tokens, which then always reach the history whole;
-            needs k_clip=1.0 and quantizer="uniform"). V is per token either way.
+            needs k_clip=1.0 and quantizer="uniform") or "product" (1- or 2-bit K against the bundle's codebooks,
+            :mod:`oscar_hf.codebooks`; needs k_clip=1.0). V is per token either way.
         backend: "auto" (triton on CUDA when triton is installed, else torch), "torch" (dequantize + SDPA,
             the reference) or "triton" (fused INT2 write and decode kernels; calls they do not cover, such as
             fp32 models or queries of several tokens, fall back to the torch path).
@@ -86,8 +88,8 @@ class OscarConfig:
             self.scale_dtype = names.get(self.scale_dtype, str(self.scale_dtype))
         if self.bits not in (2, 4) or not _is_int(self.bits):
             self._fail("bits", "2 or 4")
-        if self.key_bits is not None and (self.key_bits not in (2, 4) or not _is_int(self.key_bits)):
-            self._fail("key_bits", "None (same as bits), 2 or 4")
+        if self.key_bits is not None and (self.key_bits not in (1, 2, 4) or not _is_int(self.key_bits)):
+            self._fail("key_bits", "None (same as bits), 2 or 4 (1 or 2 with key_quantization='product')")
         if self.key_bits_layers is not None:
             layers = self.key_bits_layers
             if not (isinstance(layers, (list, tuple)) and all(_is_int(i) and i >= 0 for i in layers)
@@ -128,6 +130,12 @@ class OscarConfig:
         for name, (needed, why) in self.key_layout.needs.items():
             if getattr(self, name) != needed:
                 self._fail(name, f"{needed!r} when key_quantization={self.key_quantization!r} ({why})")
+        key_bits = {self.side_bits["key"]} | ({self.bits} if self.key_bits_layers is not None else set())
+        if not key_bits <= set(self.key_layout.key_bits):
+            wrong_key_bits = self.key_bits is not None and self.key_bits not in self.key_layout.key_bits
+            field = "key_bits" if wrong_key_bits else "bits"
+            allowed = " or ".join(map(str, self.key_layout.key_bits))
+            self._fail(field, f"such that K takes {allowed} bits with key_quantization={self.key_quantization!r}")
         if self.backend not in BACKENDS:
             self._fail("backend", " or ".join(repr(k) for k in BACKENDS))
 

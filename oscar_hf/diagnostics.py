@@ -29,16 +29,17 @@ class DiagnosticsObserver:
         self.rotations, self.config = rotations, config
         self.sums: dict[int, dict[str, float]] = {}
 
-    def _quantized(self, x: torch.Tensor, clip: float, side: str, cfg: OscarConfig | None = None) -> torch.Tensor:
+    def _quantized(self, x: torch.Tensor, clip: float, side: str, cfg: OscarConfig | None = None,
+                   codebook=None) -> torch.Tensor:
         """``x [B, H, T, D]`` of ``side`` ("key" or "value") through the quantizer in the layout a layer with config
         ``cfg`` (default the observer's) stores it: the first ``sink_tokens`` exact, the rest centered on its mean
         over T when ``side`` is in ``centered_sides``, as the cache does; ``clip`` is the per-token clip ratio
-        (per-channel K is never clipped)."""
+        (per-channel K is never clipped); ``codebook``: the layer's, for product-quantized K."""
         cfg = cfg or self.config
         sink = min(cfg.sink_tokens, x.shape[2])
         if sink:
-            return torch.cat([x[:, :, :sink], self._quantized(x[:, :, sink:], clip, side, cfg.replace(sink_tokens=0))],
-                             dim=2)
+            rest = self._quantized(x[:, :, sink:], clip, side, cfg.replace(sink_tokens=0), codebook)
+            return torch.cat([x[:, :, :sink], rest], dim=2)
         centered = side in cfg.centered_sides
         center = x.mean(dim=2, keepdim=True) if centered else torch.zeros_like(x[:, :, :1])
         x = x - center
@@ -50,15 +51,17 @@ class DiagnosticsObserver:
         # whole demotion units, as the cache demotes them; a last partial unit stays exact (recent window)
         layout, whole = cfg.key_layout, x.shape[2] // cfg.demotion_unit * cfg.demotion_unit
         group = cfg.resolved_group_size(x.shape[-1])
-        rows = layout.quantize(x[:, :, :whole], bits=bits, clip=clip, group_size=group, config=cfg)
-        return torch.cat([layout.dequantize(rows, bits), x[:, :, whole:]], dim=2) + center
+        rows = layout.quantize(x[:, :, :whole], bits=bits, clip=clip, group_size=group, config=cfg, codebook=codebook)
+        return torch.cat([layout.dequantize(rows, bits, codebook), x[:, :, whole:]], dim=2) + center
 
     def observe(self, layer_idx, query, key, value, output, scaling) -> None:
         cfg, device = self.config.for_layer(layer_idx), key.device
         r_k = self.rotations.key_rotation[layer_idx].to(device)  # [D, D], or [H, D, D] per KV head
         r_v = self.rotations.value_rotation[layer_idx].to(device)
         k, v = key.float() @ r_k, value.float() @ r_v
-        k_hat, v_hat = self._quantized(k, cfg.k_clip, "key", cfg), self._quantized(v, cfg.v_clip, "value", cfg)
+        book = (self.rotations.key_codebook(layer_idx, cfg.side_bits["key"]).to(device)
+                if cfg.key_layout.uses_codebook else None)
+        k_hat, v_hat = self._quantized(k, cfg.k_clip, "key", cfg, book), self._quantized(v, cfg.v_clip, "value", cfg)
         b, h, t, d = k.shape
         q = (query.float().reshape(b, h, -1, d) @ r_k).reshape(b, h, -1, t, d)  # [B, H, g, T, D], each KV head's R
         causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()

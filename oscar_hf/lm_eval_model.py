@@ -102,7 +102,9 @@ class OscarHFLM(HFLM):
         if on_demand:
             from oscar_hf.autocalibrate import rotations_for_model
 
-            self.oscar_rotations = rotations_for_model(self.model, self.tokenizer)
+            bits = METHODS[method].key_codebook_bits
+            self.oscar_rotations = rotations_for_model(self.model, self.tokenizer,
+                                                       key_codebook_bits=() if bits is None else (bits,))
             self.oscar_rotations_source = "on demand"
             check_model_args(method, self.oscar_rotations, overrides)
         # A first cache checks model, bundle and config together and routes the model's attention through oscar_hf.

@@ -4,7 +4,9 @@ Hub-ready bundle.
 A bundle is a folder with ``oscar_config.json`` (metadata, and optionally the recommended
 OscarConfig), ``rotations.safetensors`` (float32 ``key_rotation``/``value_rotation``: ``[layers, D, D]``, one
 rotation per layer shared by its KV heads, or ``[layers, H, D, D]``, one per KV head; their eigenvalues
-``[layers, D]`` or ``[layers, H, D]``), a ``README.md`` model card and, after calibration, ``diagnostics.json``.
+``[layers, D]`` or ``[layers, H, D]``), a ``README.md`` model card and, after calibration, ``diagnostics.json``;
+with product-quantized key codebooks (:mod:`oscar_hf.codebooks`), ``codebooks.safetensors``
+(``key_codebook.{bits}.{layer}.{centroids,basis,weight}``, listed by ``key_codebook_bits`` in the config file).
 Rows are rotated on the right: ``k_rot = k @ key_rotation[layer]`` (``[B, H, T, D] @ [H, D, D]`` broadcasts).
 
 ``format_version`` 1 holds shared rotations only; 2 adds per-KV-head ones; 3 holds models whose layers differ in
@@ -23,11 +25,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from .codebooks import KeyCodebook
 from .config import OscarConfig
 from .model_support import ModelShape
 
 CONFIG_NAME = "oscar_config.json"
 WEIGHTS_NAME = "rotations.safetensors"
+CODEBOOKS_NAME = "codebooks.safetensors"
 DIAGNOSTICS_NAME = "diagnostics.json"
 CARD_NAME = "README.md"
 FORMAT_VERSION = 3  # the newest: layers of differing geometry, one tensor per layer
@@ -78,6 +82,8 @@ class OscarRotations:
         calibration: free-form JSON-able details (data, token count, targets, ...).
         config: recommended OscarConfig for this model, or None.
         diagnostics: per-layer quantization diagnostics (see oscar_hf.diagnostics), or None.
+        key_codebooks: product-quantized key codebooks ``{bits: [one KeyCodebook or None per layer]}``, in the
+            basis of ``key_rotation`` (:mod:`oscar_hf.codebooks`), or None.
     """
 
     def __init__(
@@ -93,6 +99,7 @@ class OscarRotations:
         calibration: dict | None = None,
         config: OscarConfig | None = None,
         diagnostics: list[dict] | None = None,
+        key_codebooks: dict[int, Sequence[KeyCodebook | None]] | None = None,
     ):
         self.key_rotation = self._checked_rotations("key_rotation", key_rotation)
         self.value_rotation = self._checked_rotations("value_rotation", value_rotation)
@@ -120,6 +127,32 @@ class OscarRotations:
         self.calibration = dict(calibration or {})
         self.config = config
         self.diagnostics = diagnostics
+        self.key_codebooks = self._checked_codebooks(key_codebooks or {})
+
+    def _checked_codebooks(self, books: dict[int, Sequence[KeyCodebook | None]]) -> dict[int, list]:
+        checked = {}
+        for bits, layers in books.items():
+            layers = list(layers)
+            if len(layers) != self.num_layers:
+                raise ValueError(f"{bits}-bit key codebooks: {len(layers)} entries for {self.num_layers} layers")
+            for i, book in enumerate(layers):
+                if book is None:
+                    continue
+                if book.bits != bits or book.head_dim != self.head_dims[i] or book.heads not in (1, self.kv_heads[i]):
+                    raise ValueError(f"the {bits}-bit key codebook of layer {i} ({book!r}) does not fit the layer "
+                                     f"(head_dim {self.head_dims[i]}, {self.kv_heads[i]} KV heads)")
+            checked[int(bits)] = layers
+        return checked
+
+    def key_codebook(self, layer: int, bits: int) -> KeyCodebook:
+        """Layer ``layer``'s ``bits``-bit key codebook; ValueError where the bundle has none."""
+        book = self.key_codebooks.get(bits, [None] * self.num_layers)[layer]
+        if book is None:
+            held = sorted(self.key_codebooks) or "none"
+            raise ValueError(f"the bundle has no {bits}-bit key codebook for layer {layer} (its codebook bits: "
+                             f"{held}): calibrate with key_codebook_bits=[{bits}] (oscar-hf calibrate "
+                             f"--key-codebooks {bits})")
+        return book
 
     @staticmethod
     def _checked_rotations(name: str, rotations) -> torch.Tensor | tuple[torch.Tensor, ...]:
@@ -357,7 +390,7 @@ class OscarRotations:
             method=f"{self.method}, identity K",
             calibration=self.calibration,
             config=self.config,
-        )
+        )  # (key codebooks are left out: they live in the K rotation's basis)
 
     def check_compatible(self, model_config) -> None:
         """Raise ValueError naming the first field in which this bundle does not fit ``model_config``."""
@@ -397,11 +430,17 @@ class OscarRotations:
             "calibration": self.calibration,
             "config": self.config.to_dict() if self.config is not None else None,
         }
+        if self.key_codebooks:
+            metadata["key_codebook_bits"] = sorted(self.key_codebooks)
         tensors = {}
         for name in TENSOR_NAMES:
             value = getattr(self, name)
             tensors |= {name: value} if uniform else {f"{name}.{i}": t for i, t in enumerate(value)}
         save_file(tensors, str(path / WEIGHTS_NAME), metadata={"format_version": str(self.format_version)})
+        if self.key_codebooks:
+            books = {f"key_codebook.{bits}.{i}.{part}": t.contiguous() for bits, layers in self.key_codebooks.items()
+                     for i, book in enumerate(layers) if book is not None for part, t in book.tensors().items()}
+            save_file(books, str(path / CODEBOOKS_NAME))
         (path / CONFIG_NAME).write_text(json.dumps(metadata, indent=2) + "\n")
         (path / CARD_NAME).write_text(self.model_card())
         if self.diagnostics is not None:
@@ -452,7 +491,7 @@ class OscarRotations:
             for file in (config_file, weights_file):
                 if not file.is_file():
                     raise FileNotFoundError(f"{local} is not an OSCAR rotation bundle: {file.name} is missing")
-            return cls._load(config_file, weights_file)
+            return cls._load(config_file, weights_file, lambda name: local / name)
         if root.is_dir():
             raise FileNotFoundError(f"no such folder: {local} (the folder {root} has no subfolder {subfolder!r})")
         try:
@@ -478,10 +517,11 @@ class OscarRotations:
                     from None
 
         config_file, weights_file = fetch(CONFIG_NAME), fetch(WEIGHTS_NAME)
-        return cls._load(config_file, weights_file)
+        return cls._load(config_file, weights_file, fetch)
 
     @classmethod
-    def _load(cls, config_file: Path, weights_file: Path) -> "OscarRotations":
+    def _load(cls, config_file: Path, weights_file: Path, fetch) -> "OscarRotations":
+        """The bundle of these files; ``fetch(name)`` gives the path of another of its files."""
         try:
             metadata = json.loads(config_file.read_text())
         except json.JSONDecodeError as err:
@@ -524,6 +564,9 @@ class OscarRotations:
         diagnostics_file = config_file.with_name(DIAGNOSTICS_NAME)
         if diagnostics_file.is_file():
             bundle.diagnostics = json.loads(diagnostics_file.read_text())
+        if metadata.get("key_codebook_bits"):
+            bundle.key_codebooks = bundle._checked_codebooks(
+                _read_codebooks(fetch(CODEBOOKS_NAME), metadata["key_codebook_bits"], bundle.num_layers))
         stored = {"num_layers": bundle.num_layers, "per_head": bundle.per_head,
                   "head_dim": bundle.head_dim if bundle.uniform else list(bundle.head_dims)}
         for field, value in stored.items():
@@ -558,3 +601,27 @@ class OscarRotations:
                 commit_message=commit_message or f"Upload OSCAR rotations ({self.method})",
             )
         return str(info)
+
+
+def _read_codebooks(path: Path, bits: list[int], num_layers: int) -> dict[int, list[KeyCodebook | None]]:
+    """The key codebooks of ``codebooks.safetensors`` at ``path``, for the listed bit widths."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path} is missing: the bundle's config lists key codebooks of {bits} bits")
+    try:
+        tensors = load_file(str(path))
+    except Exception as err:  # safetensors raises its own error type for a truncated or foreign file
+        raise ValueError(f"{path} is not a readable safetensors file ({err})") from None
+    parts: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        name, width, layer, part = (key.split(".") + ["", "", "", ""])[:4]
+        if name != "key_codebook" or not (width.isdigit() and layer.isdigit()) or int(width) not in bits \
+                or int(layer) >= num_layers:
+            raise ValueError(f"{path}: unexpected tensor {key!r}")
+        parts.setdefault((int(width), int(layer)), {})[part] = value
+    books = {int(b): [None] * num_layers for b in bits}
+    for (width, layer), found in parts.items():
+        try:
+            books[width][layer] = KeyCodebook(found["centroids"], found["basis"], found["weight"])
+        except KeyError as err:
+            raise ValueError(f"{path}: the {width}-bit codebook of layer {layer} lacks {err.args[0]!r}") from None
+    return books

@@ -25,6 +25,7 @@ AS_PUBLISHED = {"quantizer": "uniform", "centering": False, "key_bits": None, "k
 # the per-token baselines quantize K per token whatever K layout the calibrated bundle recommends
 PER_TOKEN = {**AS_PUBLISHED, "key_quantization": "per-token"}
 INT2 = {"bits": 2, "key_bits": None, "key_bits_layers": None}
+PRODUCT_KEYS = {"key_quantization": "product", "k_clip": 1.0}
 ROTATION_SOURCES = (None, "identity", "hadamard", "calibrated", "calibrated-values")
 CALIBRATED = ("calibrated", "calibrated-values")  # the sources that read the calibrated bundle
 QUANTIZED_CACHE_MODULES = {"quanto": "optimum.quanto", "hqq": "hqq"}  # QuantizedCache backend -> module it needs
@@ -38,6 +39,7 @@ class Method:
     config: dict = field(default_factory=dict)  # OscarConfig fields; for quantized_cache only "bits"
     key_bits_fraction: float | None = None  # key_bits for this fraction of the layers, the most sensitive ones
     quantized_cache: str | None = None  # instead of OSCAR: transformers' QuantizedCache with this backend
+    key_codebook_bits: int | None = None  # the bundle's product-quantized key codebooks it reads
 
     def __post_init__(self):
         if self.rotations not in ROTATION_SOURCES:
@@ -81,6 +83,10 @@ class Method:
                     f"data-free methods are {', '.join(m.name for m in METHODS.values() if not m.needs_calibration)}")
         if self.needs_diagnostics and (calibrated is None or not calibrated.diagnostics):
             return f"method {self.name!r} needs a bundle with calibration diagnostics (to rank the layers)"
+        bits = self.key_codebook_bits
+        if bits is not None and (calibrated is None or bits not in calibrated.key_codebooks):
+            return (f"method {self.name!r} needs a bundle with {bits}-bit key codebooks (oscar-hf calibrate "
+                    f"--key-codebooks {bits})")
         if not self.installed():
             return install_hint(self.requires, f"method {self.name!r}")
         return None
@@ -199,6 +205,21 @@ METHODS: dict[str, Method] = {
             "as oscar, with Lloyd-Max levels (K per token: the levels are per token)",
             "calibrated",
             {"quantizer": "lloyd-max", "centering": True, "key_quantization": "per-token", **INT2},
+        ),
+        # 1 and 2 bits per K element, no scales (oscar_hf.codebooks): 1.75 and 2.25 history bits at head_dim 64-128
+        Method(
+            "oscar-pq1",
+            "as oscar, with K product-quantized to 1 bit per element (a byte per 8 channels, the bundle's codebooks)",
+            "calibrated",
+            {"quantizer": "uniform", "centering": True, **INT2, **PRODUCT_KEYS, "key_bits": 1},
+            key_codebook_bits=1,
+        ),
+        Method(
+            "oscar-pq2",
+            "as oscar, with K product-quantized to 2 bits per element (a byte per 4 channels, the bundle's codebooks)",
+            "calibrated",
+            {"quantizer": "uniform", "centering": True, **INT2, **PRODUCT_KEYS},
+            key_codebook_bits=2,
         ),
         # transformers' own quantized cache, in its defaults but for the bits: INT2 codes in groups of 64 values, the
         # newest tokens (up to 128) in the model dtype; pip install "oscar-hf[baselines]"

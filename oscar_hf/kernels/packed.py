@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..quantizer import QuantizedRows
+
+if TYPE_CHECKING:
+    from ..codebooks import KeyCodebook
 
 
 @dataclass
@@ -21,15 +25,17 @@ class PackedKV:
         recent_k, recent_v: the newest tokens, model dtype ``[B, H, R, D]``: a ring buffer whose oldest token is
             row ``counts[3]``.
         key, value: the rotated history as ``QuantizedRows``: codes uint8 ``[B, H, N, D·bits/8]``; scale and zero
-            ``[B, H, N, D/group_size]`` per token, or ``[B, H, ⌈N/key_token_group⌉, D]`` for per-channel K.
+            ``[B, H, N, D/group_size]`` per token, ``[B, H, ⌈N/key_token_group⌉, D]`` for per-channel K, or
+            ``[B, H, N, 0]`` for product-quantized K (whose codes are one byte per subspace of its codebook).
         counts: sink, history and recent tokens and the ring start: an int32 tensor ``[4]`` or ``[8]`` (a static
             layer's, on the device; ``[4:8]`` the counts before its last graph step), or a tuple of ints.
-        key_bits, value_bits: code widths (2 or 4).
+        key_bits, value_bits: code widths (2 or 4; product-quantized K: 1 or 2 bits per element).
         group_size: channels per scale and zero of a per-token row.
         key_center, value_center: fp32 ``[B, H, 1, D]`` where the history stores ``x − μ``, else None.
         key_token_group: None for per-token K; for per-channel K, the tokens that share a K scale row.
         key_rotation, value_rotation: the history's bases in the model dtype: ``R [D, D]`` (every KV head's) or
             ``[H, D, D]`` (one per KV head; query head ``h·g + r`` reads KV head ``h``'s), or None (identity).
+        key_codebook: the codebook of product-quantized K, else None.
     """
 
     sink_k: torch.Tensor
@@ -47,6 +53,7 @@ class PackedKV:
     key_token_group: int | None = None
     key_rotation: torch.Tensor | None = None
     value_rotation: torch.Tensor | None = None
+    key_codebook: KeyCodebook | None = None
 
     @property
     def windows(self) -> list[torch.Tensor]:
@@ -93,7 +100,8 @@ class PackedKV:
 
     @property
     def per_token_keys(self) -> bool:
-        return self.key_token_group is None
+        """Whether K is stored per token with a scale and zero (what the kernels read)."""
+        return self.key_token_group is None and self.key_codebook is None
 
     @property
     def head_dim(self) -> int:

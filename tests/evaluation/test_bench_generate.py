@@ -297,6 +297,11 @@ def test_methods_are_the_registrys_run_a_benchmark_way():
         cache = bench.BenchMethod.parse(spec).make(model, 64)
         assert cache.config == make_cache(spec.split("+")[0], model, bundle).config, spec
         assert cache.is_compileable == spec.endswith("+compiled"), spec
+    for spec, bits in (("oscar-pq1", 1), ("oscar-pq2+compiled", 2)):  # random codebooks stand in for trained ones
+        cache = bench.BenchMethod.parse(spec).make(model, 64)
+        assert cache.config.key_quantization == "product" and cache.config.side_bits["key"] == bits, spec
+        book = cache.rotations.key_codebook(0, bits)
+        assert book.bits == bits and book.head_dim == model.config.head_dim
     assert type(bench.BenchMethod.parse("bf16").make(model, 64)).__name__ == "DynamicCache"
     assert isinstance(bench.BenchMethod.parse("bf16+compiled").make(model, 64), StaticCache)
     weight = model.model.layers[0].self_attn.v_proj.weight.clone()

@@ -59,6 +59,8 @@ def test_methods_registry_presets():
         "oscar-k4-half",
         "oscar-channel-k",
         "oscar-lloyd-max",
+        "oscar-pq1",
+        "oscar-pq2",
         "quanto-int2",
         "hqq-int2",
     ]
@@ -142,13 +144,16 @@ def test_callers_follow_the_registrys_rule_for_calibration(name, tmp_path, monke
     monkeypatch.setattr(cli, "load_model", load_model)
     for calibrated in (None, bundle):
         runs = method.runs_with(calibrated)
-        assert runs == (method.installed() and (calibrated is not None or not method.needs_calibration)), calibrated
+        has_codebooks = method.key_codebook_bits is None  # (the bundle here has none)
+        assert runs == (method.installed() and has_codebooks and (calibrated is not None or
+                                                                  not method.needs_calibration)), calibrated
         assert method.needs_calibration == (method.rotations in ("calibrated", "calibrated-values"))
         if runs:
             make_cache(name, model, calibrated)
             assert run_eval(model, None, "m", [name], [], tmp_path / "out", calibrated=calibrated) == []
         else:
-            with pytest.raises(ValueError, match="calibrated rotations" if method.installed() else "pip install"):
+            with pytest.raises(ValueError, match="calibrated rotations" if calibrated is None and method.installed()
+                               else "codebooks" if method.installed() else "pip install"):
                 make_cache(name, model, calibrated)
             with pytest.raises(ValueError, match=re.escape(method.unmet(calibrated))):
                 run_eval(model, None, "m", [name], [], tmp_path / "out", calibrated=calibrated)
@@ -171,7 +176,8 @@ def test_cli_eval_runs_every_method_the_bundle_allows(tmp_path, monkeypatch):
     main(["eval", "--model", "m", "--out", str(tmp_path), "--rotations", "none"])
     assert chosen == [([m.name for m in METHODS.values() if not m.needs_calibration and m.installed()], None)]
     main(["eval", "--model", "m", "--out", str(tmp_path)])
-    assert chosen[1][0] == [m.name for m in METHODS.values() if m.installed() and not m.needs_diagnostics]
+    assert chosen[1][0] == [m.name for m in METHODS.values()
+                            if m.installed() and not m.needs_diagnostics and m.key_codebook_bits is None]
     assert chosen[1][1].method == "hadamard" and made == ["tokenizer"]
     with pytest.raises(SystemExit):  # a method the bundle made on demand cannot serve: before the model loads
         main(["eval", "--model", "m", "--out", str(tmp_path), "--methods", "oscar-k4-half"])

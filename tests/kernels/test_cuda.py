@@ -74,6 +74,40 @@ def test_triton_and_torch_backends_agree_with_int2_history(arch, dtype, key_bits
     torch.testing.assert_close(logits["triton"], logits["torch"], rtol=0.05, atol=0.05)
 
 
+@pytest.mark.parametrize("key_bits", [1, 2])
+def test_product_keys_on_cuda_agree_across_backends_and_with_a_static_cache(key_bits):
+    """Product-quantized K (codebooks calibrated on the GPU) on CUDA in bf16: the torch and Triton backends' logits
+    agree after a prompt whose middle reaches the history, and a static cache generates as the dynamic one does."""
+    from helpers import quick_calibrate, token_ids
+
+    model = cuda_model("qwen3-gqa-qknorm-d128")
+    windows = {"sink_tokens": 4, "recent_tokens": 8}
+    rotations = quick_calibrate(model, token_ids(4, 128).cuda(), num_tokens=512, max_length=128,
+                                key_codebook_bits=[key_bits])
+    product = {"key_quantization": "product", "key_bits": key_bits, "k_clip": 1.0, **windows}
+    ids = torch.randint(3, 90, (2, 70), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    logits = {}
+    for backend in ("torch", "triton"):
+        cache = OscarQuantizedCache.from_pretrained(rotations, model=model, backend=backend, **product)
+        with torch.no_grad():
+            model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True)
+            step = model(input_ids=ids[:, -1:], **cache_kwargs(model, cache), use_cache=True)
+        assert all(layer.n_history > 0 for layer in cache.layers)
+        assert cache.layers[0].history["key_codes"].shape[-1] == 128 * key_bits // 8
+        logits[backend] = step.logits[:, -1].float()
+    torch.testing.assert_close(logits["triton"], logits["torch"], rtol=0.05, atol=0.05)
+    runs = {}
+    for max_cache_len in (None, 96):
+        cache = OscarQuantizedCache.from_pretrained(rotations, model=model, max_cache_len=max_cache_len, **product)
+        runs[max_cache_len] = model.generate(input_ids=ids[:, :40], max_new_tokens=24, do_sample=False,
+                                             pad_token_id=0, past_key_values=cache, output_logits=True,
+                                             return_dict_in_generate=True)
+        assert all(layer.n_history > 0 for layer in cache.layers)
+    for step in (0, 1):  # the prefill, and the first step over the history
+        torch.testing.assert_close(runs[96].logits[step].float(), runs[None].logits[step].float(), rtol=0,
+                                   atol=0.05)
+
+
 def test_quantized_generation_runs_on_cuda_with_every_mode():
     model = cuda_model("qwen3-gqa-qknorm-d128")
     for mode in ("greedy", "sampling", "beam-search", "num-return-sequences", "prompt-lookup"):

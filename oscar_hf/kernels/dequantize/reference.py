@@ -12,8 +12,11 @@ from ..packed import PackedKV
 def dequantize_history(packed: PackedKV, side: str, stop: int, start: int = 0) -> torch.Tensor:
     """History tokens ``[start, stop)`` of ``side`` ("key" or "value"), dequantized, center added back, in the
     history's (rotated) basis: fp32 ``[B, H, stop - start, D]``. Per-channel K reads whole token groups: ``start``
-    and ``stop`` are multiples of ``key_token_group`` there."""
+    and ``stop`` are multiples of ``key_token_group`` there; product-quantized K is read through its codebook."""
     _, _, rows, center, bits = packed.side(side)
+    if side == "key" and packed.key_codebook is not None:
+        history = packed.key_codebook.decode(rows.codes[:, :, start:stop])
+        return history if center is None else history + center
     per_channel = side == "key" and not packed.per_token_keys
     group = packed.key_token_group if per_channel else 1
     meta = slice(start // group, -(-stop // group))
@@ -34,7 +37,7 @@ def fill_history(packed: PackedKV, side: str, out: torch.Tensor) -> None:
     ``[B, H, n, D]`` view of a buffer): the dequantize kernel's contract, in torch (per-channel K dequantizes whole
     groups)."""
     n = out.shape[2]
-    group = packed.key_token_group if side == "key" and not packed.per_token_keys else 1
+    group = packed.key_token_group if side == "key" and packed.key_token_group is not None else 1
     stop = -(-n // group) * group
     out.copy_(dequantize_history(packed, side, stop)[:, :, :n])
 
