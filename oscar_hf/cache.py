@@ -274,7 +274,9 @@ class OscarLayer(_GrowingLayer):
         self.value_rotation = value_rotation.detach().clone()
         # an identity rotation (data-free baselines, per-channel K, an absorbed V) costs no GEMM per step
         self.rotates_keys, self.rotates_values = (not _is_identity(r) for r in (key_rotation, value_rotation))
-        self.key_codebook = key_codebook if config.key_layout.uses_codebook else None
+        if config.key_layout.uses_codebook and key_codebook is None:
+            raise ValueError(f"key_quantization={config.key_quantization!r} needs the layer's key_codebook")
+        self.key_codebook = key_codebook.clone() if config.key_layout.uses_codebook else None
         self.counts: list[int] | torch.Tensor = [0, 0, 0, 0]  # sink, history, recent, ring start
         self._last_update: _UpdateRecord | None = None  # what crop needs to take back the last host-side update
         self._packed: PackedKV | None = None  # a static layer's PackedKV: its buffers and counts never move

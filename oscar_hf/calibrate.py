@@ -338,6 +338,9 @@ def calibrate(
     shape = check_model_supported(model)
     config = config or OscarConfig()
     codebook_bits = _codebook_bits(key_codebook_bits, config)
+    if choose_layout and config.key_layout.uses_codebook:
+        raise ValueError("choose_layout chooses among the INT2 K layouts and would replace a product-key config: "
+                         "calibrate it with choose_layout=False")
     if codebook_bits and shape.latent is not None:
         raise ValueError("key codebooks are for per-head K/V: a multi-head latent attention model stores its latent")
     chunks, held_out = token_chunks(tokenizer, texts, num_tokens, max_length, diagnostic_tokens)
@@ -412,18 +415,16 @@ def calibrate(
         },
         config=config,
     )
-    if codebook_bits:  # for the layers the cache quantizes (not the sliding-window ones it leaves to transformers)
-        stored = quantized_layers(model.config, rotations, config.replace(key_quantization="per-token", key_bits=None,
-                                                                         key_bits_layers=None))
-        rotations.key_codebooks = train_key_codebooks(model, rotations, chunks, codebook_bits,
-                                                      sink_tokens=config.sink_tokens, layers=stored,
-                                                      show_progress=show_progress)
-        rotations.calibration["key_codebook_bits"] = codebook_bits
     if choose_layout:
         if not held_out:
             raise ValueError(f"choose_layout scores the layouts on held-out tokens, and the text left none after the "
                              f"{used} calibration tokens: give more text or fewer num_tokens")
-        return choose_layout_within(model, rotations, held_out, config, bit_budget)
+        rotations = choose_layout_within(model, rotations, held_out, config, bit_budget)
+        if codebook_bits:  # in the chosen K basis
+            _add_key_codebooks(model, rotations, chunks, codebook_bits, rotations.config, show_progress)
+        return rotations
+    if codebook_bits:
+        _add_key_codebooks(model, rotations, chunks, codebook_bits, config, show_progress)
     if held_out:
         rotations.diagnostics = diagnose(model, rotations, held_out, config)
     return rotations
@@ -440,3 +441,19 @@ def _codebook_bits(requested: Sequence[int], config: OscarConfig) -> list[int]:
         if config.key_bits_layers is not None:
             bits.add(config.bits)
     return sorted(bits)
+
+
+def _add_key_codebooks(model, rotations: OscarRotations, chunks, bits: list[int], config: OscarConfig,
+                       show_progress: bool) -> None:
+    """Train ``bits``-bit key codebooks into ``rotations`` for the layers a cache of ``config`` quantizes (not the
+    sliding-window layers it leaves to transformers), in the bundle's K basis."""
+    plain = config.replace(key_quantization="per-token", key_bits=None, key_bits_layers=None, centering=True)
+    stored = quantized_layers(model.config, rotations, plain)
+    books = train_key_codebooks(model, rotations, chunks, bits, sink_tokens=config.sink_tokens, layers=stored,
+                                show_progress=show_progress)
+    missing = [i for i in stored if any(books[b][i] is None for b in bits)]
+    if missing:
+        raise ValueError(f"no keys past the first {config.sink_tokens} tokens of a chunk reached layers {missing}: "
+                         "key codebooks need longer chunks (max_length) or more text")
+    rotations.key_codebooks = books
+    rotations.calibration["key_codebook_bits"] = bits

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -156,7 +157,8 @@ def cmd_calibrate(args) -> None:
         ids = calibration_token_ids(tokenizer, texts, used["num_tokens"], used["max_length"], args.diagnostic_tokens)
         out = bundle_folder(model, {k: used[k] for k in ("num_tokens", "max_length", "k_target", "v_target",
                                                          "composition", "eigen_order")},
-                            rotations.config, ids, diagnostic_tokens=args.diagnostic_tokens)
+                            rotations.config, ids, diagnostic_tokens=args.diagnostic_tokens,
+                            key_codebook_bits=sorted(rotations.key_codebooks))
     rotations.save_pretrained(out)
     print(f"saved {rotations} to {out}")
     if rotations.diagnostics:
@@ -246,14 +248,15 @@ def cmd_info(args) -> None:
 DATA_FREE = ("hadamard", "identity")
 
 
-def rotations_for(source: str, model, tokenizer, subfolder: str | None = None):
-    """The bundle a --rotations value names: "auto" (made on demand for ``model``), "hadamard" or "identity"
-    (data-free), else a folder or Hub repo."""
+def rotations_for(source: str, model, tokenizer, subfolder: str | None = None,
+                  key_codebook_bits: Sequence[int] = ()):
+    """The bundle a --rotations value names: "auto" (made on demand for ``model``, with the key codebooks of
+    ``key_codebook_bits``), "hadamard" or "identity" (data-free), else a folder or Hub repo."""
     from .autocalibrate import rotations_for_model
     from .rotations import OscarRotations
 
     if source == "auto":
-        return rotations_for_model(model, tokenizer)
+        return rotations_for_model(model, tokenizer, key_codebook_bits=key_codebook_bits)
     if source in DATA_FREE:
         return getattr(OscarRotations, source)(model.config)
     return OscarRotations.from_pretrained(source, subfolder=subfolder)
@@ -269,13 +272,16 @@ def cmd_generate(args) -> None:
         print_pair(prompt, default, oscar)
 
 
-def pending_bundle():
-    """A stand-in for the bundle that --rotations auto will make (calibrated, no diagnostics), to check the methods
-    against before the model loads."""
+def pending_bundle(codebook_bits: Sequence[int] = ()):
+    """A stand-in for the bundle that --rotations auto will make (calibrated, no diagnostics, the key codebooks of
+    ``codebook_bits``), to check the methods against before the model loads."""
+    from .codebooks import CENTROIDS, KeyCodebook
     from .rotations import OscarRotations
 
-    eye = torch.eye(1)[None]
-    return OscarRotations(eye, eye, num_kv_heads=1, method="oscar")
+    eye = torch.eye(8)[None]
+    books = {bits: [KeyCodebook(torch.zeros(1, bits, CENTROIDS, 8 // bits), eye, torch.ones(1, 8))]
+             for bits in codebook_bits}
+    return OscarRotations(eye, eye, num_kv_heads=1, method="oscar", key_codebooks=books)
 
 
 def cmd_eval(args) -> None:
@@ -283,8 +289,10 @@ def cmd_eval(args) -> None:
     from .evaluation.runner import run_eval
     from .rotations import OscarRotations
 
-    if args.rotations == "auto":
-        calibrated = pending_bundle()
+    asked = args.methods.split(",") if args.methods else []
+    codebook_bits = sorted({METHODS[m].key_codebook_bits for m in asked if m in METHODS} - {None})
+    if args.rotations == "auto":  # (key codebooks where the methods asked for read them)
+        calibrated = pending_bundle(codebook_bits)
     elif args.rotations == "none":
         calibrated = None
     else:
@@ -297,7 +305,7 @@ def cmd_eval(args) -> None:
     check_methods(methods, calibrated)  # before the model loads
     model, tokenizer = load_model(args.model, args.dtype)
     if args.rotations == "auto":
-        calibrated = rotations_for("auto", model, tokenizer) if any(
+        calibrated = rotations_for("auto", model, tokenizer, key_codebook_bits=codebook_bits) if any(
             METHODS[m].needs_calibration for m in methods) else None
     text = Path(args.text).read_text(encoding="utf-8") if args.text else None
     run_eval(

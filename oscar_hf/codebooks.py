@@ -2,10 +2,10 @@
 
 A history key ``x [D]`` (in the layer's rotated basis, centered) is first turned into ``z = (x @ B) · w``: ``B`` the
 eigenvectors of the keys' second moment (descending), so that each subspace holds correlated channels, and ``w`` the
-root of the queries' mean square per channel of that basis, so that the nearest centroid is the one that changes the
-logits ``q·x`` least. ``z`` is cut into ``S = D / sub`` subspaces of ``sub`` channels, and each is stored as the one
-byte index of its nearest of 256 centroids: ``8 / sub`` bits per element (sub 8: 1 bit, sub 4: 2 bits), with no
-scale or zero. The key is read back as ``(c / w) @ Bᵀ``.
+root of the queries' mean square along each channel of that basis (``diag(Bᵀ E[qqᵀ] B)``), so that the nearest
+centroid is, channel by channel, the one that changes the logits ``q·x`` least. ``z`` is cut into ``S = D / sub``
+subspaces of ``sub`` channels, and each is stored as the one byte index of its nearest of 256 centroids: ``8 / sub``
+bits per element (sub 8: 1 bit, sub 4: 2 bits), with no scale or zero. The key is read back as ``(c / w) @ Bᵀ``.
 
 Keys are quantized per token, so any number of tokens can reach the history at once; the codebooks are fixed, so a
 key far outside the calibration keys' range is read back at the nearest centroid. :func:`train_key_codebooks`
@@ -75,6 +75,9 @@ class KeyCodebook:
     def to(self, device: torch.device | str) -> "KeyCodebook":
         return KeyCodebook(*(t.to(device) for t in self.tensors().values()))
 
+    def clone(self) -> "KeyCodebook":
+        return KeyCodebook(*(t.detach().clone() for t in self.tensors().values()))
+
     def select_heads(self, index: torch.Tensor | slice) -> "KeyCodebook":
         """The codebook of some KV heads (a per-head codebook's; a shared one is returned as is)."""
         if self.heads == 1:
@@ -88,7 +91,7 @@ class KeyCodebook:
 
     def _weighted(self, x: torch.Tensor) -> torch.Tensor:
         """``x [B, H, N, D]`` → ``z [B, H, N, S, sub]``, fp32."""
-        z = (x.float() @ self.basis) * self.weight[:, None, :]
+        z = (x.float() @ self.basis.to(x.device)) * self.weight.to(x.device)[:, None, :]
         return z.unflatten(-1, (self.subspaces, -1))
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
@@ -143,10 +146,10 @@ def _kmeans(z: torch.Tensor, generator: torch.Generator, iterations: int) -> tor
     return centroids
 
 
-def fit_codebook(keys: torch.Tensor, query_power: torch.Tensor, bits: int, *, iterations: int = 20,
+def fit_codebook(keys: torch.Tensor, query_moment: torch.Tensor, bits: int, *, iterations: int = 20,
                  seed: int = 0) -> KeyCodebook:
     """A codebook for keys ``[Hc, N, D]`` (rotated, centered; ``Hc`` = 1 pools every KV head) whose queries have the
-    mean square ``query_power [Hc, D]`` per channel of the rotated basis."""
+    second moment ``query_moment [Hc, D, D]`` in the rotated basis."""
     if bits not in CODEBOOK_BITS:
         raise ValueError(f"product-quantized keys take {' or '.join(map(str, CODEBOOK_BITS))} bits; got {bits!r}")
     heads, n, dim = keys.shape
@@ -161,7 +164,7 @@ def fit_codebook(keys: torch.Tensor, query_power: torch.Tensor, bits: int, *, it
     for h in range(heads):
         _, vectors = torch.linalg.eigh(keys[h].mT @ keys[h])
         basis = vectors.flip(-1)  # descending: each subspace holds channels of similar variance
-        power = basis.mT.pow(2) @ query_power[h].double()  # the queries' mean square per basis channel
+        power = (basis * (query_moment[h].double() @ basis)).sum(0)  # diag(Bᵀ M B): queries' mean square per channel
         weight = (power / power.mean()).clamp_min(1e-6).sqrt()
         z = ((keys[h] @ basis) * weight).float()
         centroids.append(torch.stack([_kmeans(part.contiguous(), generator, iterations) for part in z.split(sub, -1)]))
@@ -172,12 +175,12 @@ def fit_codebook(keys: torch.Tensor, query_power: torch.Tensor, bits: int, *, it
 
 class _KeyObserver:
     """Collects, per layer, rotated keys centered per chunk (the tokens after the sink, at most ``max_keys`` per KV
-    head, spread over the chunks) and the queries' mean square per rotated channel."""
+    head, spread over the chunks) and the queries' second moment in the rotated basis, per KV head."""
 
     def __init__(self, rotations: OscarRotations, sink_tokens: int, max_keys: int, generator: torch.Generator):
         self.rotations, self.sink, self.max_keys, self.generator = rotations, sink_tokens, max_keys, generator
         self.keys: dict[int, list[torch.Tensor]] = {}
-        self.query_power: dict[int, torch.Tensor] = {}
+        self.query_moment: dict[int, torch.Tensor] = {}
         self.query_rows: dict[int, int] = {}
 
     def observe(self, layer_idx, query, key, value, output, scaling) -> None:
@@ -191,8 +194,8 @@ class _KeyObserver:
         self.keys.setdefault(layer_idx, []).append(body.index_select(2, keep).transpose(0, 1).flatten(1, 2).cpu())
         q = query.float().reshape(batch, heads, -1, tokens, dim) @ rotation[:, None] if rotation.ndim == 3 else (
             query.float().reshape(batch, heads, -1, tokens, dim) @ rotation)
-        power = q.pow(2).sum(dim=(0, 2, 3)).cpu()  # [H, D]
-        self.query_power[layer_idx] = self.query_power.get(layer_idx, 0) + power
+        moment = torch.einsum("bhgtd,bhgte->hde", q, q).cpu()  # [H, D, D]
+        self.query_moment[layer_idx] = self.query_moment.get(layer_idx, 0) + moment
         self.query_rows[layer_idx] = self.query_rows.get(layer_idx, 0) + q.shape[0] * q.shape[2] * q.shape[3]
 
 
@@ -220,12 +223,12 @@ def train_key_codebooks(
         if i not in observer.keys or (layers is not None and i not in layers):
             continue
         keys = torch.cat(observer.keys[i], dim=1)  # [H, N, D]
-        power = observer.query_power[i] / observer.query_rows[i]  # [H, D]
+        moment = observer.query_moment[i] / observer.query_rows[i]  # [H, D, D]
         if not rotations.per_head:  # one codebook for the pooled heads, from max_keys of their keys
-            keys, power = keys.flatten(0, 1), power.mean(0, keepdim=True)
+            keys, moment = keys.flatten(0, 1), moment.mean(0, keepdim=True)
             keys = keys[torch.randperm(keys.shape[0], generator=generator)[:max_keys]][None]
         device = next(model.parameters()).device  # (k-means runs where the model does)
         for b in bits:
-            books[b][i] = fit_codebook(keys.to(device), power.to(device), b, iterations=iterations,
+            books[b][i] = fit_codebook(keys.to(device), moment.to(device), b, iterations=iterations,
                                        seed=seed + i).to("cpu")
     return books

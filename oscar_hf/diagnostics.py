@@ -59,8 +59,12 @@ class DiagnosticsObserver:
         r_k = self.rotations.key_rotation[layer_idx].to(device)  # [D, D], or [H, D, D] per KV head
         r_v = self.rotations.value_rotation[layer_idx].to(device)
         k, v = key.float() @ r_k, value.float() @ r_v
-        book = (self.rotations.key_codebook(layer_idx, cfg.side_bits["key"]).to(device)
-                if cfg.key_layout.uses_codebook else None)
+        book = None
+        if cfg.key_layout.uses_codebook:
+            bits = cfg.side_bits["key"]
+            if bits in self.rotations.key_codebooks and self.rotations.key_codebooks[bits][layer_idx] is None:
+                return  # a layer the cache leaves in the model dtype (sliding-window): no codebook, no diagnostics
+            book = self.rotations.key_codebook(layer_idx, bits).to(device)
         k_hat, v_hat = self._quantized(k, cfg.k_clip, "key", cfg, book), self._quantized(v, cfg.v_clip, "value", cfg)
         b, h, t, d = k.shape
         q = (query.float().reshape(b, h, -1, d) @ r_k).reshape(b, h, -1, t, d)  # [B, H, g, T, D], each KV head's R

@@ -136,7 +136,7 @@ class ProductKeys(KeyLayout):
 
     name = "product"
     needs = {"k_clip": (1.0, "codebook keys are not clipped"),
-             "quantizer": ("uniform", "V's quantizer; K takes the codebook's centroids")}
+             "centering": (True, "the codebooks are trained on centered keys")}
     centered = True
     key_bits = (1, 2)
     uses_codebook = True

@@ -151,7 +151,8 @@ class OscarRotations:
             held = sorted(self.key_codebooks) or "none"
             raise ValueError(f"the bundle has no {bits}-bit key codebook for layer {layer} (its codebook bits: "
                              f"{held}): calibrate with key_codebook_bits=[{bits}] (oscar-hf calibrate "
-                             f"--key-codebooks {bits})")
+                             f"--key-codebooks {bits}), with the config's quantize_sliding where sliding-window layers "
+                             "are to be stored so")
         return book
 
     @staticmethod
@@ -565,8 +566,16 @@ class OscarRotations:
         if diagnostics_file.is_file():
             bundle.diagnostics = json.loads(diagnostics_file.read_text())
         if metadata.get("key_codebook_bits"):
+            missing = FileNotFoundError(f"{config_file.name} lists key codebooks of {metadata['key_codebook_bits']} "
+                                        f"bits, but the bundle has no {CODEBOOKS_NAME}")
+            try:
+                path = fetch(CODEBOOKS_NAME)
+            except FileNotFoundError:
+                raise missing from None
+            if not Path(path).is_file():
+                raise missing
             bundle.key_codebooks = bundle._checked_codebooks(
-                _read_codebooks(fetch(CODEBOOKS_NAME), metadata["key_codebook_bits"], bundle.num_layers))
+                _read_codebooks(path, metadata["key_codebook_bits"], bundle.num_layers))
         stored = {"num_layers": bundle.num_layers, "per_head": bundle.per_head,
                   "head_dim": bundle.head_dim if bundle.uniform else list(bundle.head_dims)}
         for field, value in stored.items():
@@ -605,8 +614,6 @@ class OscarRotations:
 
 def _read_codebooks(path: Path, bits: list[int], num_layers: int) -> dict[int, list[KeyCodebook | None]]:
     """The key codebooks of ``codebooks.safetensors`` at ``path``, for the listed bit widths."""
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"{path} is missing: the bundle's config lists key codebooks of {bits} bits")
     try:
         tensors = load_file(str(path))
     except Exception as err:  # safetensors raises its own error type for a truncated or foreign file
@@ -615,7 +622,7 @@ def _read_codebooks(path: Path, bits: list[int], num_layers: int) -> dict[int, l
     for key, value in tensors.items():
         name, width, layer, part = (key.split(".") + ["", "", "", ""])[:4]
         if name != "key_codebook" or not (width.isdigit() and layer.isdigit()) or int(width) not in bits \
-                or int(layer) >= num_layers:
+                or int(layer) >= num_layers or part not in ("centroids", "basis", "weight"):
             raise ValueError(f"{path}: unexpected tensor {key!r}")
         parts.setdefault((int(width), int(layer)), {})[part] = value
     books = {int(b): [None] * num_layers for b in bits}

@@ -84,7 +84,7 @@ class Method:
         if self.needs_diagnostics and (calibrated is None or not calibrated.diagnostics):
             return f"method {self.name!r} needs a bundle with calibration diagnostics (to rank the layers)"
         bits = self.key_codebook_bits
-        if bits is not None and (calibrated is None or bits not in calibrated.key_codebooks):
+        if bits is not None and (calibrated is None or not any(calibrated.key_codebooks.get(bits, []))):
             return (f"method {self.name!r} needs a bundle with {bits}-bit key codebooks (oscar-hf calibrate "
                     f"--key-codebooks {bits})")
         if not self.installed():
@@ -206,7 +206,8 @@ METHODS: dict[str, Method] = {
             "calibrated",
             {"quantizer": "lloyd-max", "centering": True, "key_quantization": "per-token", **INT2},
         ),
-        # 1 and 2 bits per K element, no scales (oscar_hf.codebooks): 1.75 and 2.25 history bits at head_dim 64-128
+        # 1 and 2 bits per K element, no scales (oscar_hf.codebooks): 1.75 and 2.25 history bits at head_dim 64 with
+        # 2-bit V in groups of 64 (1.625 and 2.125 at head_dim 128)
         Method(
             "oscar-pq1",
             "as oscar, with K product-quantized to 1 bit per element (a byte per 8 channels, the bundle's codebooks)",

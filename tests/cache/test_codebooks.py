@@ -82,14 +82,14 @@ def test_fitting_recovers_clustered_keys_and_two_bits_beat_one():
     keys = centers[torch.arange(16), pick].flatten(1) + 1e-3 * torch.randn(6000, 64, generator=g)
     errors = {}
     for bits in (1, 2):
-        book = fit_codebook(keys[None], torch.ones(1, 64), bits)
+        book = fit_codebook(keys[None], torch.eye(64)[None], bits)
         back = book.decode(book.encode(keys[None, None]))[0, 0]
         errors[bits] = float(((back - keys) ** 2).sum() / (keys**2).sum())
     assert errors[2] < 0.02 and errors[1] > 5 * errors[2]
     with pytest.raises(ValueError, match="at least 256 keys"):
-        fit_codebook(keys[None, :100], torch.ones(1, 64), 2)
+        fit_codebook(keys[None, :100], torch.eye(64)[None], 2)
     with pytest.raises(ValueError, match="1 or 2 bits"):
-        fit_codebook(keys[None], torch.ones(1, 64), 4)
+        fit_codebook(keys[None], torch.eye(64)[None], 4)
 
 
 def test_the_config_rules_for_product_keys():
@@ -100,6 +100,8 @@ def test_the_config_rules_for_product_keys():
         WINDOWS.replace(key_quantization="product", key_bits=1)
     with pytest.raises(ValueError, match="key_bits"):
         product(4)
+    with pytest.raises(ValueError, match="centering"):
+        product(1, centering=False)  # the codebooks are trained on centered keys
     with pytest.raises(ValueError, match="key_bits"):
         OscarConfig(key_bits=1)  # 1-bit K is product-quantized only
     with pytest.raises(ValueError, match="bits"):
@@ -179,7 +181,7 @@ def test_the_bundle_saves_and_loads_its_codebooks(calibrated, tmp_path):
             for name, t in rotations.key_codebook(i, bits).tensors().items():
                 assert torch.equal(loaded.key_codebook(i, bits).tensors()[name], t), name
     (tmp_path / "b" / "codebooks.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match="codebooks.safetensors"):
+    with pytest.raises(FileNotFoundError, match=r"lists key codebooks of \[1, 2\] bits, but the bundle has no codeb"):
         OscarRotations.from_pretrained(tmp_path / "b")
     plain = OscarRotations(rotations.key_rotation, rotations.value_rotation, num_kv_heads=2)
     with pytest.raises(ValueError, match="no 1-bit key codebook for layer 0"):
@@ -237,3 +239,49 @@ def test_cli_calibrate_trains_codebooks_and_info_shows_them(tmp_path, monkeypatc
     assert "key codebooks: 1-bit (one per layer;" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["calibrate", "tiny", "--key-codebooks", "3", "--out", str(tmp_path / "c")])
+
+
+def test_cli_eval_on_demand_trains_the_codebooks_its_methods_read(tmp_path, monkeypatch):
+    """``oscar-hf eval --rotations auto`` (the default) with a product-key method makes its bundle with that method's
+    codebooks; without one, with none; an explicit bundle without them is refused before the model loads."""
+    from oscar_hf import autocalibrate, cli
+    from oscar_hf.evaluation import runner
+
+    model = make_model(ARCH)
+    asked = []
+    monkeypatch.setattr(cli, "load_model", lambda name, dtype: (model, "tokenizer"))
+    monkeypatch.setattr(runner, "run_eval", lambda *args, **kwargs: None)
+    monkeypatch.setattr(autocalibrate, "rotations_for_model", lambda model, tokenizer, **kwargs: asked.append(kwargs)
+                        or OscarRotations.hadamard(model.config))
+    main(["eval", "--model", "m", "--out", str(tmp_path), "--methods", "oscar,oscar-pq1"])
+    main(["eval", "--model", "m", "--out", str(tmp_path), "--methods", "oscar"])
+    assert asked == [{"key_codebook_bits": [1]}, {"key_codebook_bits": []}]
+    OscarRotations.hadamard(model.config).save_pretrained(tmp_path / "plain")
+    monkeypatch.setattr(cli, "load_model", lambda name, dtype: pytest.fail("the model loaded"))
+    with pytest.raises(SystemExit):
+        main(["eval", "--model", "m", "--out", str(tmp_path), "--methods", "oscar-pq2", "--rotations",
+              str(tmp_path / "plain")])
+
+
+def test_calibration_trains_codebooks_in_the_chosen_layouts_basis_and_refuses_too_short_chunks():
+    """With choose_layout, the codebooks are trained after the choice, in the K basis of the bundle it returns (the
+    identity where per-channel K wins), so that a product-key cache reads them; chunks that end inside the sink leave
+    no keys to train on, and calibration says so."""
+    from oscar_hf import layout_choice
+
+    model = make_model(ARCH)
+    rotations = quick_calibrate(model, token_ids(4, 256), num_tokens=768, max_length=256, diagnostic_tokens=256,
+                                config=WINDOWS, choose_layout=True, key_codebook_bits=[2])
+    chosen = layout_choice.LAYOUTS
+    assert rotations.calibration["layout"]["chosen"] in {c.name for c in chosen}
+    assert rotations.calibration["key_codebook_bits"] == [2] and all(rotations.key_codebooks[2])
+    oscar_hf.enable(model)
+    cache = make_cache("oscar-pq2", model, rotations)
+    with torch.no_grad():
+        model(**prompt(1, 100), past_key_values=cache, use_cache=True)
+    assert cache.layers[0].n_history > 0
+    with pytest.raises(ValueError, match="no keys past the first 64 tokens"):
+        quick_calibrate(model, token_ids(4, 64), num_tokens=256, key_codebook_bits=[1])
+    with pytest.raises(ValueError, match="choose_layout"):
+        quick_calibrate(model, token_ids(4, 64), num_tokens=256, config=product(1), choose_layout=True,
+                        diagnostic_tokens=64)

@@ -144,9 +144,9 @@ def test_callers_follow_the_registrys_rule_for_calibration(name, tmp_path, monke
     monkeypatch.setattr(cli, "load_model", load_model)
     for calibrated in (None, bundle):
         runs = method.runs_with(calibrated)
-        has_codebooks = method.key_codebook_bits is None  # (the bundle here has none)
-        assert runs == (method.installed() and has_codebooks and (calibrated is not None or
-                                                                  not method.needs_calibration)), calibrated
+        needs_codebooks = method.key_codebook_bits is not None  # (the bundle here has none)
+        assert runs == (method.installed() and not needs_codebooks and (calibrated is not None or
+                                                                        not method.needs_calibration)), calibrated
         assert method.needs_calibration == (method.rotations in ("calibrated", "calibrated-values"))
         if runs:
             make_cache(name, model, calibrated)

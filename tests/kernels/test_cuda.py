@@ -76,8 +76,9 @@ def test_triton_and_torch_backends_agree_with_int2_history(arch, dtype, key_bits
 
 @pytest.mark.parametrize("key_bits", [1, 2])
 def test_product_keys_on_cuda_agree_across_backends_and_with_a_static_cache(key_bits):
-    """Product-quantized K (codebooks calibrated on the GPU) on CUDA in bf16: the torch and Triton backends' logits
-    agree after a prompt whose middle reaches the history, and a static cache generates as the dynamic one does."""
+    """Product-quantized K (codebooks calibrated on the GPU) on CUDA in bf16: both backends take the dequantize path
+    (the kernels read per-token K only) and agree after a prompt whose middle reaches the history, and a static cache
+    (no graph steps) generates as the dynamic one does."""
     from helpers import quick_calibrate, token_ids
 
     model = cuda_model("qwen3-gqa-qknorm-d128")
@@ -94,6 +95,7 @@ def test_product_keys_on_cuda_agree_across_backends_and_with_a_static_cache(key_
             step = model(input_ids=ids[:, -1:], **cache_kwargs(model, cache), use_cache=True)
         assert all(layer.n_history > 0 for layer in cache.layers)
         assert cache.layers[0].history["key_codes"].shape[-1] == 128 * key_bits // 8
+        assert not cache.layers[0].packed().per_token_keys
         logits[backend] = step.logits[:, -1].float()
     torch.testing.assert_close(logits["triton"], logits["torch"], rtol=0.05, atol=0.05)
     runs = {}
@@ -103,6 +105,7 @@ def test_product_keys_on_cuda_agree_across_backends_and_with_a_static_cache(key_
                                              pad_token_id=0, past_key_values=cache, output_logits=True,
                                              return_dict_in_generate=True)
         assert all(layer.n_history > 0 for layer in cache.layers)
+        assert not any(layer.graph_step for layer in cache.layers)
     for step in (0, 1):  # the prefill, and the first step over the history
         torch.testing.assert_close(runs[96].logits[step].float(), runs[None].logits[step].float(), rtol=0,
                                    atol=0.05)
