@@ -171,7 +171,7 @@ def test_cli_eval_runs_every_method_the_bundle_allows(tmp_path, monkeypatch):
     monkeypatch.setattr(cli, "load_model", lambda name, dtype: (model, "tokenizer"))
     monkeypatch.setattr(runner, "run_eval", lambda model, tokenizer, name, methods, *_, calibrated, **__:
                         chosen.append((methods, calibrated)))
-    monkeypatch.setattr(autocalibrate, "rotations_for_model", lambda model, tokenizer: made.append(tokenizer) or
+    monkeypatch.setattr(autocalibrate, "rotations_for_model", lambda model, tokenizer, **_: made.append(tokenizer) or
                         OscarRotations.hadamard(model.config))
     main(["eval", "--model", "m", "--out", str(tmp_path), "--rotations", "none"])
     assert chosen == [([m.name for m in METHODS.values() if not m.needs_calibration and m.installed()], None)]
