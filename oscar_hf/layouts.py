@@ -131,8 +131,8 @@ class PerChannelKeys(KeyLayout):
 class ProductKeys(KeyLayout):
     """Product-quantized K (:mod:`oscar_hf.codebooks`): per token, one byte per subspace of 8 (1 bit) or 4 (2 bits)
     channels against the layer's codebook (``D·bits/8`` bytes, as packed codes), no scale or zero; centered, never
-    clipped. Read by dequantizing before
-    SDPA; V is stored per token as in the other layouts."""
+    clipped. Read by dequantizing before SDPA; V is stored per token as in the other layouts (``quantizer.quantize``,
+    as the torch writer does)."""
 
     name = "product"
     needs = {"k_clip": (1.0, "codebook keys are not clipped"),
