@@ -479,8 +479,8 @@ class OscarLayer(_GrowingLayer):
             bits=cfg.bits,
             key_bits=cfg.side_bits["key"],
             group_size=self.group_size,
-            k_clip=cfg.k_clip,
-            v_clip=cfg.v_clip,
+            k_clip=cfg.side_clip["key"],
+            v_clip=cfg.side_clip["value"],
             scale_dtype=cfg.torch_scale_dtype,
             method=cfg.quantizer,
             **{f"{side}_center": self.center[side] for side in cfg.centered_sides},  # the writer stores x - μ
@@ -787,7 +787,7 @@ class LatentOscarLayer(_GrowingLayer):
         if not self.n_history and cfg.centering:
             center.copy_(rows.mean(dim=2, keepdim=True))
         quantized = quantize(rows - center, bits=cfg.side_bits["key"], group_size=self.group_size,
-                             clip=cfg.k_clip, scale_dtype=cfg.torch_scale_dtype, method=cfg.quantizer)
+                             clip=cfg.side_clip["key"], scale_dtype=cfg.torch_scale_dtype, method=cfg.quantizer)
         _grow_history(self.history, self.n_history, self.n_history + rows.shape[2])
         self.history.write(self.n_history, quantized._asdict())
         self.n_history += rows.shape[2]
@@ -941,9 +941,9 @@ class StaticOscarLayer(OscarLayer):
 
         cfg = self.config
         return append(self.packed(), key, value, flags=self.flags, max_len=self.max_cache_len,
-                      sink_tokens=cfg.sink_tokens, limit=self.recent_limit, flush=cfg.flush_tokens, k_clip=cfg.k_clip,
-                      v_clip=cfg.v_clip, key_rotation=self.rotation("key"), value_rotation=self.rotation("value"),
-                      query=query)
+                      sink_tokens=cfg.sink_tokens, limit=self.recent_limit, flush=cfg.flush_tokens,
+                      k_clip=cfg.side_clip["key"], v_clip=cfg.side_clip["value"], key_rotation=self.rotation("key"),
+                      value_rotation=self.rotation("value"), query=query)
 
     def _check_room(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super()._check_room(key_states, value_states)

@@ -65,7 +65,9 @@ class DiagnosticsObserver:
             if bits in self.rotations.key_codebooks and self.rotations.key_codebooks[bits][layer_idx] is None:
                 return  # a layer the cache leaves in the model dtype (sliding-window): no codebook, no diagnostics
             book = self.rotations.key_codebook(layer_idx, bits).to(device)
-        k_hat, v_hat = self._quantized(k, cfg.k_clip, "key", cfg, book), self._quantized(v, cfg.v_clip, "value", cfg)
+        clip = cfg.side_clip
+        k_hat = self._quantized(k, clip["key"], "key", cfg, book)
+        v_hat = self._quantized(v, clip["value"], "value", cfg)
         b, h, t, d = k.shape
         q = (query.float().reshape(b, h, -1, d) @ r_k).reshape(b, h, -1, t, d)  # [B, H, g, T, D], each KV head's R
         causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
@@ -81,8 +83,8 @@ class DiagnosticsObserver:
             "v_error": float(((v_hat - v) ** 2).sum() / (q_v**2).sum().clamp_min(1e-30)),
             "score_kl": float(kl),
             "output_error": float(((out_hat - out) ** 2).sum() / (out**2).sum()),
-            "k_clip_rate": float((clip_rows(q_k, cfg.k_clip) != q_k).float().mean().nan_to_num()),
-            "v_clip_rate": float((clip_rows(q_v, cfg.v_clip) != q_v).float().mean().nan_to_num()),
+            "k_clip_rate": float((clip_rows(q_k, clip["key"]) != q_k).float().mean().nan_to_num()),
+            "v_clip_rate": float((clip_rows(q_v, clip["value"]) != q_v).float().mean().nan_to_num()),
         }
         totals = self.sums.setdefault(layer_idx, dict.fromkeys(METRICS, 0.0) | {"tokens": 0})
         for name, value in values.items():

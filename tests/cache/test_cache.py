@@ -234,15 +234,16 @@ def test_nbytes_and_bits_per_element_match_the_analytic_count():
 
 
 def test_key_bits_store_keys_at_their_own_width():
-    """4-bit K and 2-bit V: K codes twice as wide, each side reads back as the quantizer at its bits, and the
-    stored bits per element are the analytic count."""
+    """4-bit K and 2-bit V: K codes twice as wide, each side reads back as the quantizer at its bits (4-bit K
+    unclipped, 2-bit V clipped), and the stored bits per element are the analytic count."""
     cfg = OscarConfig(key_bits=4, sink_tokens=4, recent_tokens=8, flush_tokens=2, backend="torch")
     layer = DynamicOscarLayer(cfg, torch.eye(64), torch.eye(64))
     kv = torch.randn(2, 2, 3, 100, 64, generator=torch.Generator().manual_seed(5))
     layer.update(kv[0], kv[1])
     n = layer.n_history
     assert layer.history["key_codes"].shape[-1] == 32 and layer.history["value_codes"].shape[-1] == 16
-    for side, clip, bits in (("key", cfg.k_clip, 4), ("value", cfg.v_clip, 2)):
+    assert cfg.k_clip < 1.0
+    for side, clip, bits in (("key", 1.0, 4), ("value", cfg.v_clip, 2)):
         center = kv[int(side == "value"), :, :, 4 : 4 + n].mean(dim=2, keepdim=True)
         rows = quantize(kv[int(side == "value"), :, :, 4 : 4 + n] - center, bits=bits, clip=clip)
         torch.testing.assert_close(layer.materialize(side)[:, :, 4 : 4 + n], dequantize(rows, bits) + center,

@@ -192,3 +192,21 @@ def test_key_bits_layers_resolve_per_layer():
     assert config.bits_per_element(128, num_layers=4) == pytest.approx(2.75)
     with pytest.raises(ValueError, match="num_layers"):
         config.bits_per_element(128)
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        pytest.param({}, {"key": 0.96, "value": 0.92}, id="int2"),
+        pytest.param({"key_bits": 4}, {"key": 1.0, "value": 0.92}, id="k4v2"),
+        pytest.param({"bits": 4}, {"key": 1.0, "value": 1.0}, id="int4"),
+        pytest.param({"bits": 4, "key_bits": 2}, {"key": 0.96, "value": 1.0}, id="k2v4"),
+    ],
+)
+def test_side_clip_clips_only_two_bit_rows(fields, expected):
+    assert OscarConfig(k_clip=0.96, v_clip=0.92, **fields).side_clip == expected
+
+
+def test_side_clip_follows_each_layers_key_bits():
+    cfg = OscarConfig(key_bits=4, key_bits_layers=[1])
+    assert [cfg.for_layer(i).side_clip["key"] for i in range(3)] == [cfg.k_clip, 1.0, cfg.k_clip]

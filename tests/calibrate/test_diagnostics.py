@@ -134,3 +134,13 @@ def test_diagnostics_quantize_each_layer_at_its_own_key_bits():
     mixed = diagnose(model, rotations, chunks, OscarConfig(key_bits=4, key_bits_layers=[1], sink_tokens=4))
     assert mixed[0]["k_error"] == two[0]["k_error"] and mixed[1]["k_error"] == four[1]["k_error"]
     assert four[1]["k_error"] < two[1]["k_error"] / 4
+
+
+def test_four_bit_keys_are_diagnosed_unclipped_as_the_cache_stores_them():
+    k = outlier_keys()
+    config = OscarConfig(group_size=32, sink_tokens=0, k_clip=0.9, key_bits=4)
+    row = observed(config, k)
+    assert row["k_clip_rate"] == 0.0 and row["v_clip_rate"] > 0.0
+    center = k.mean(dim=2, keepdim=True)
+    rows = quantize(k - center, bits=4, group_size=32, clip=1.0, scale_dtype=torch.float16)
+    assert row["k_error"] == pytest.approx(relative_error(dequantize(rows, 4) + center, k), rel=1e-6)
