@@ -176,6 +176,12 @@ METHODS: dict[str, Method] = {
             {"quantizer": "uniform", "centering": True, **INT2, "key_bits": 4},
         ),
         Method(
+            "oscar-int4",
+            "as oscar, at 4 bits for K and V (4-bit rows are not clipped)",
+            "calibrated",
+            {"quantizer": "uniform", "centering": True, "bits": 4, "key_bits": None, "key_bits_layers": None},
+        ),
+        Method(
             "oscar-k4-half",
             "as oscar, with 4-bit K in the half of the layers where 2-bit K changes attention most (the bundle's "
             "calibration score KL)",

@@ -56,6 +56,7 @@ def test_methods_registry_presets():
         "oscar-bundle",
         "oscar-uncentered",
         "oscar-k4",
+        "oscar-int4",
         "oscar-k4-half",
         "oscar-channel-k",
         "oscar-lloyd-max",
@@ -67,6 +68,9 @@ def test_methods_registry_presets():
     assert type(make_cache("bf16", model)).__name__ == "DynamicCache"
     int4 = make_cache("int4", model)
     assert (int4.config.bits, int4.config.group_size, int4.config.k_clip) == (4, 64, 1.0)
+    oscar4 = make_cache("oscar-int4", model, OscarRotations.hadamard(model.config))
+    assert oscar4.config.side_bits == {"key": 4, "value": 4} and oscar4.config.side_clip == {"key": 1.0, "value": 1.0}
+    assert oscar4.config.centering
     assert make_cache("quarot-int2", model).rotations.method == "hadamard"
     assert make_cache("naive-int2", model).rotations.method == "identity"
     bundle = OscarRotations.hadamard(model.config)
