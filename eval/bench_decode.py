@@ -97,9 +97,11 @@ def check_write() -> None:
     cases = ((128, None, torch.bfloat16), (64, 32, torch.float16), (256, None, torch.bfloat16))
     for d, group, dtype in cases[:1] if ARGS.smoke or ARGS.quick else cases:  # (each case compiles a kernel)
         k, v = ((torch.randn(4, rows, d, device=DEVICE) * 3).to(dtype) for _ in range(2))
-        got = quantize_pack_kv(k, v, key_bits=ARGS.key_bits, group_size=group, k_clip=0.96, v_clip=0.92)
-        want = (quantize(k, bits=ARGS.key_bits, group_size=group, clip=0.96),
-                quantize(v, group_size=group, clip=0.92))
+        clip = OscarConfig(key_bits=ARGS.key_bits).side_clip  # as the cache clips: 2-bit rows only
+        got = quantize_pack_kv(k, v, key_bits=ARGS.key_bits, group_size=group, k_clip=clip["key"],
+                               v_clip=clip["value"])
+        want = (quantize(k, bits=ARGS.key_bits, group_size=group, clip=clip["key"]),
+                quantize(v, group_size=group, clip=clip["value"]))
         for g, w in zip(got, want):
             if not all(torch.equal(a, b) for a, b in zip(g, w)):
                 sys.exit(f"ABORT: write kernel differs from quantizer.quantize (D={d}, group={group}, {dtype})")
@@ -422,7 +424,8 @@ def bench_write(tokens: int) -> dict:
     k, v = (torch.randn(1, heads, tokens, d, device=DEVICE).to(torch.bfloat16) for _ in range(2))
     centers = {f"{side}_center": x.mean(dim=2, keepdim=True, dtype=torch.float32)
                for side, x in (("key", k), ("value", v))}
-    kwargs = dict(key_bits=ARGS.key_bits, k_clip=0.96, v_clip=0.92, **centers)
+    clip = OscarConfig(key_bits=ARGS.key_bits).side_clip
+    kwargs = dict(key_bits=ARGS.key_bits, k_clip=clip["key"], v_clip=clip["value"], **centers)
     kernel_ms, eager_ms = (timer(lambda: quantize_pack_kv(k, v, **kwargs)) for timer in (device_time, eager_time))
     torch_ms = device_time(lambda: quantize_kv(k, v, **kwargs))
     rotation = hadamard_matrix(d).float().to(DEVICE)
