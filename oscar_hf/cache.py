@@ -473,14 +473,15 @@ class OscarLayer(_GrowingLayer):
                 self.center[side].copy_(rows[side].mean(dim=2, keepdim=True, dtype=torch.float32))
         needed = self.n_history + n
         self._reserve_history(needed)
+        clip = cfg.side_clip
         quantized = self.writer(
             rows["key"],
             rows["value"],
             bits=cfg.bits,
             key_bits=cfg.side_bits["key"],
             group_size=self.group_size,
-            k_clip=cfg.side_clip["key"],
-            v_clip=cfg.side_clip["value"],
+            k_clip=clip["key"],
+            v_clip=clip["value"],
             scale_dtype=cfg.torch_scale_dtype,
             method=cfg.quantizer,
             **{f"{side}_center": self.center[side] for side in cfg.centered_sides},  # the writer stores x - μ
@@ -940,9 +941,10 @@ class StaticOscarLayer(OscarLayer):
         from .kernels.append.triton import append
 
         cfg = self.config
+        clip = cfg.side_clip
         return append(self.packed(), key, value, flags=self.flags, max_len=self.max_cache_len,
                       sink_tokens=cfg.sink_tokens, limit=self.recent_limit, flush=cfg.flush_tokens,
-                      k_clip=cfg.side_clip["key"], v_clip=cfg.side_clip["value"], key_rotation=self.rotation("key"),
+                      k_clip=clip["key"], v_clip=clip["value"], key_rotation=self.rotation("key"),
                       value_rotation=self.rotation("value"), query=query)
 
     def _check_room(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

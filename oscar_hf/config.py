@@ -151,8 +151,8 @@ class OscarConfig:
 
     @property
     def side_clip(self) -> dict[str, float]:
-        """The clip ratio that each side's rows get in a layer that ``key_bits_layers`` lists: ``k_clip`` and
-        ``v_clip`` where the side has 2 bits or fewer, 1.0 (none) at 4 bits. Clipping trades a row's few largest
+        """The clip ratio of each side's rows at :attr:`side_bits` (a layer's, after :meth:`for_layer`): ``k_clip``
+        and ``v_clip`` where the side has 2 bits or fewer, 1.0 (none) at 4 bits. Clipping trades a row's few largest
         values for a finer 2-bit grid; 16 levels already resolve them, and clipping them costs retrieval (needles
         at 8K tokens on SmolLM2-135M)."""
         ratios = {"key": self.k_clip, "value": self.v_clip}
