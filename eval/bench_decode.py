@@ -1,4 +1,4 @@
-"""Decode-attention and write-kernel benchmark of the Triton backend on one CUDA GPU.
+"""Decode-attention and write-kernel benchmark of the Triton backend (and the CUDA history kernel) on one CUDA GPU.
 
     PYTHONPATH=. python eval/bench_decode.py [--quick] [--sweep] [--shapes qwen3-8b,...] [--key-bits 4] [--out DIR]
     PYTHONPATH=. python eval/bench_decode.py --smoke          # CPU, TRITON_INTERPRET=1, tiny shapes, no timings
@@ -59,6 +59,8 @@ def parse_args():
     p.add_argument("--smoke", action="store_true", help="CPU/TRITON_INTERPRET=1 run of the whole script, tiny shapes")
     p.add_argument("--shapes", default=None, help="comma-separated subset of the grid's shapes")
     p.add_argument("--key-bits", type=int, choices=(2, 4), default=2, help="K's bits (V's are 2)")
+    p.add_argument("--history-kernels", default="triton,cuda",
+                   help="comma-separated history kernels to time (cuda: where it can run)")
     p.add_argument("--out", default="eval/results", help="folder for the CSV")
     return p.parse_args()
 
@@ -74,6 +76,7 @@ import triton.language as tl  # noqa: E402
 from oscar_hf import DynamicOscarLayer, OscarConfig  # noqa: E402
 from oscar_hf.evaluation.environment import device_slug, environment, gpu_state  # noqa: E402
 from oscar_hf.kernels import PackedKV, quantize_kv  # noqa: E402
+from oscar_hf.kernels.decode import cuda as cuda_history  # noqa: E402
 from oscar_hf.kernels.decode.launch import DecodeConfig, default_config  # noqa: E402
 from oscar_hf.kernels.decode.reference import attend as torch_attend  # noqa: E402
 from oscar_hf.kernels.decode.triton import decode  # noqa: E402
@@ -108,8 +111,9 @@ def check_write() -> None:
     print("write kernel: bit-identical to quantizer.quantize")
 
 
-def check_decode(fast_unpack: bool) -> bool:
-    """Real layers (prefill + one decode step through the triton writer, left padding) vs the torch twin."""
+def check_decode(fast_unpack: bool, history_kernel: str = "triton") -> bool:
+    """Real layers (prefill + one decode step through the triton writer, left padding) vs the torch twin, with the
+    history programs of ``history_kernel``."""
     cases = ((4, 128, torch.bfloat16, 700), (4, 64, torch.float16, 300), (8, 256, torch.bfloat16, 90))
     for groups, d, dtype, n in cases[:1] if ARGS.smoke or ARGS.quick else cases:
         cfg = OscarConfig(sink_tokens=8, recent_tokens=16, flush_tokens=4, key_bits=ARGS.key_bits, backend="triton")
@@ -121,7 +125,7 @@ def check_decode(fast_unpack: bool) -> bool:
         layer.update(kv[0, :, :, :-1], kv[1, :, :, :-1])
         key, value = layer.update(kv[0, :, :, -1:], kv[1, :, :, -1:])
         query = torch.randn(2, 2 * groups, 1, d, device=DEVICE).to(dtype)
-        config = replace(default_config(2, d), fast_unpack=fast_unpack)
+        config = replace(default_config(2, d), fast_unpack=fast_unpack, history_kernel=history_kernel)
         got = decode(query, layer.packed(), mask, None, config).float()
         want = torch_attend(Attn(groups), query, layer.packed(), key.new, value.new, mask, None).float()
         parts = {side: layer.materialize(side, dtype=torch.float32) for side in ("key", "value")}
@@ -278,16 +282,29 @@ def fits(nbytes: int) -> bool:
 
 
 def sweep_configs(batch: int, d: int, fast_ok: bool) -> list[DecodeConfig]:
+    """The default config, and with the CUDA history kernel where it can run (both timed in every run); --sweep: tile
+    configs of the Triton kernel, and programs per SM and stages of the CUDA one."""
     base = replace(default_config(batch, d), fast_unpack=fast_ok)
+    cuda_runs = DEVICE == "cuda" and cuda_history.available(torch.device(DEVICE)) and d in cuda_history.HEAD_DIMS
+    kernels = ARGS.history_kernels.split(",")
+    cuda_runs = cuda_runs and "cuda" in kernels
+    with_cuda = [base] * ("triton" in kernels) + ([replace(base, history_kernel="cuda")] if cuda_runs else [])
     if not ARGS.sweep:
-        return [base]
+        return with_cuda
+    if cuda_runs:
+        with_cuda += [replace(base, history_kernel="cuda", programs_per_sm=p, num_stages=s, min_program_tiles=0,
+                              max_history_programs_per_sm=0.0)
+                      for p, s in ((12, 4), (16, 3), (16, 4), (20, 3), (24, 2), (8, 6))]
+    if "triton" not in kernels:
+        return with_cuda
     tiles = {  # (block_n, warps, stages)
         64: [(64, 1, 3), (128, 1, 3), (128, 1, 2), (64, 1, 4), (64, 2, 3)],
         128: [(64, 1, 3), (128, 1, 3), (32, 1, 3), (64, 1, 2), (64, 1, 4), (64, 2, 3)],
         256: [(32, 1, 3), (16, 1, 3), (64, 1, 3), (32, 1, 2), (32, 1, 4), (32, 2, 3)],
         512: [(32, 4, 2), (32, 2, 2), (64, 4, 2), (64, 2, 2), (16, 2, 2), (32, 4, 3)],
     }[d]
-    configs = [replace(base, block_n=n, num_warps=w, num_stages=s) for n, w, s in tiles]
+    configs = with_cuda + [replace(base, block_n=n, num_warps=w, num_stages=s) for n, w, s in tiles
+                           if (n, w, s) != (base.block_n, base.num_warps, base.num_stages)]
     configs += [replace(base, programs_per_sm=p, min_program_tiles=0) for p in ((2, 3, 6) if d > 256 else
                                                                                  (8, 10, 12, 24))]
     configs += [replace(base, max_registers=r) for r in (None, 168, 128) if r != base.max_registers]
@@ -358,7 +375,8 @@ def bench_decode(shape: str, batch: int, context: int, copy_gbps: float, fast_ok
         rows.append({"shape": shape, "hq": hq, "hkv": heads, "d": d, "batch": batch, "T": context, "n_hist": n_hist,
                      "block_n": c.block_n, "warps": c.num_warps, "stages": c.num_stages, "pps": c.programs_per_sm,
                      "min_program_tiles": c.min_program_tiles, "max_registers": c.max_registers,
-                     "fast_unpack": c.fast_unpack, "kernel_ms": kernel_ms, "eager_ms": eager_ms, "GBps": gbps,
+                     "fast_unpack": c.fast_unpack, "history_kernel": c.history_kernel, "kernel_ms": kernel_ms,
+                     "eager_ms": eager_ms, "GBps": gbps,
                      "frac_copy_bw": gbps / copy_gbps, "sdpa_ms": sdpa_ms, "sdpa_kind": sdpa_kind,
                      "sdpa_GBps": sdpa_size / (sdpa_ms * 1e-3) / 1e9, "speedup_vs_sdpa": sdpa_ms / kernel_ms,
                      "read_ms": read.flushed, "read_frac_copy_bw": size / (read.flushed * 1e-3) / 1e9 / copy_gbps,
@@ -367,8 +385,18 @@ def bench_decode(shape: str, batch: int, context: int, copy_gbps: float, fast_ok
                      "steady_speedup_vs_sdpa": steady_sdpa_ms / steady_ms, "steady_read_ms": read.steady,
                      "steady_read_frac_copy_bw": size / (read.steady * 1e-3) / 1e9 / copy_gbps,
                      "rotations": rotations(size), "extras": "+".join(extras) or "none", **clocks})
+    for kernel_name in dict.fromkeys(r["history_kernel"] for r in rows):
+        print_best([r for r in rows if r["history_kernel"] == kernel_name], clocks)
+    return rows
+
+
+def print_best(rows: list[dict], clocks: dict) -> None:
+    """One line for the fastest of ``rows`` (one point, one history kernel)."""
     best = min(rows, key=lambda r: r["kernel_ms"])
-    print(f"{shape:16s} B={batch:<3d} T={context:<7d} {best['kernel_ms']:8.4f} ms {best['GBps']:7.0f} GB/s "
+    shape, batch, context = best["shape"], best["batch"], best["T"]
+    sdpa_ms, sdpa_kind = best["sdpa_ms"], best["sdpa_kind"]
+    print(f"{best['history_kernel']:6s} {shape:16s} B={batch:<3d} T={context:<7d} {best['kernel_ms']:8.4f} ms "
+          f"{best['GBps']:7.0f} GB/s "
           f"{100 * best['frac_copy_bw']:5.1f}% copy  sdpa {sdpa_ms:8.4f} ms ({sdpa_kind}) "
           f"x{best['speedup_vs_sdpa']:5.2f}  read-only {100 * best['read_frac_copy_bw']:5.1f}%  "
           f"eager {best['eager_ms']:.4f} ms  [{best['block_n']}/{best['warps']}w/{best['stages']}s/"
@@ -378,7 +406,6 @@ def bench_decode(shape: str, batch: int, context: int, copy_gbps: float, fast_ok
           f"{best['steady_sdpa_ms']:.4f} ms x{best['steady_speedup_vs_sdpa']:5.2f} read-only "
           f"{100 * best['steady_read_frac_copy_bw']:5.1f}%"
           + (f"  SM {clocks['sm_mhz']} MHz, clock events {clocks['clock_events']}" if clocks else ""))
-    return rows
 
 
 def bench_verify(context: int, q_len: int = 4) -> dict:
@@ -456,6 +483,10 @@ def main():
     print("decode kernel: matches the torch twin" if fast_ok else "WARNING: the inline-PTX unpacking is WRONG on this "
           "GPU; timing the plain path. Set DecodeConfig.fast_unpack's default to False in "
           "oscar_hf/kernels/decode/launch.py.")
+    if DEVICE == "cuda" and cuda_history.available(torch.device(DEVICE)):
+        if not check_decode(fast_ok, "cuda"):
+            sys.exit("ABORT: the decode with the CUDA history kernel does not match the torch twin")
+        print("decode with the CUDA history kernel: matches the torch twin")
     copy_gbps = copy_bandwidth()
     print(f"device copy bandwidth: {copy_gbps:.0f} GB/s (read + write)")
     if ARGS.smoke:

@@ -5,6 +5,7 @@ import torch
 from helpers import MODES, make_model, run
 
 from oscar_hf import OscarQuantizedCache, OscarRotations, cache_kwargs
+from oscar_hf.kernels.decode.launch import DecodeConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -425,3 +426,62 @@ def test_hybrid_and_latent_attention_on_both_backends(family):
                                  rotations, model=model, sink_tokens=4, recent_tokens=8, backend=backend)))
         assert out.shape == (2, 78)
     torch.testing.assert_close(logits["triton"], logits["torch"], rtol=0.05, atol=0.05)
+
+
+# ------------------------------------------------------------------ the CUDA history kernel against the torch twin
+CUDA_HISTORY_GRID = [  # batch, KV heads, GQA group, head_dim, history tokens, dtype, K bits, V bits, left pads
+    (1, 2, 4, 128, 1000, torch.bfloat16, 2, 2, ()),
+    (2, 2, 4, 128, 301, torch.bfloat16, 2, 2, (0, 9)),
+    (3, 1, 1, 128, 65, torch.float16, 2, 2, (0, 20, 3)),
+    (2, 2, 8, 128, 700, torch.float16, 4, 2, (0, 11)),
+    (1, 2, 4, 128, 64, torch.bfloat16, 4, 4, ()),
+    (2, 2, 2, 128, 1, torch.bfloat16, 2, 2, (0, 5)),
+    (2, 2, 4, 64, 1000, torch.bfloat16, 2, 2, (0, 40)),
+    (1, 4, 8, 64, 257, torch.float16, 4, 2, ()),
+    (2, 1, 3, 64, 129, torch.bfloat16, 2, 4, (0, 9)),
+    (2, 2, 4, 256, 500, torch.bfloat16, 2, 2, (0, 30)),
+    (1, 2, 2, 256, 33, torch.float16, 4, 2, ()),
+    (32, 2, 4, 128, 150, torch.bfloat16, 2, 2, ()),
+    (8, 1, 5, 256, 77, torch.bfloat16, 2, 4, ()),
+]
+
+
+@pytest.mark.parametrize("batch, heads, groups, dim, n_history, dtype, key_bits, value_bits, pads", CUDA_HISTORY_GRID,
+                         ids=lambda v: str(v).replace("torch.", "") if not isinstance(v, tuple) else f"pads{len(v)}")
+@pytest.mark.parametrize("tiles", [None, 32], ids=["default-split", "tiny-splits"])
+def test_cuda_history_kernel_equals_the_torch_twin(monkeypatch, batch, heads, groups, dim, n_history, dtype, key_bits,
+                                                   value_bits, pads, tiles):
+    """The CUDA history programs (``DecodeConfig(history_kernel="cuda")``) against the torch twin and fp32, as the
+    Triton kernel is checked: head_dim 64-256, GQA 1-8, batch 1-32, 2- and 4-bit K and V, awkward lengths (one token,
+    odd tails, a partial last tile), left padding that reaches into the history (the mask), one split per tile
+    (``tiles=32``: many splits, most of them a single tile) or the default plan; and the CUDA kernel did run."""
+    from test_kernels import check_decode
+
+    from oscar_hf.kernels.decode import cuda
+
+    launches = []
+    monkeypatch.setattr(cuda, "history", lambda *a, _run=cuda.history: launches.append(1) or _run(*a))
+    config = DecodeConfig(history_kernel="cuda")
+    if tiles:
+        config = DecodeConfig(history_kernel="cuda", block_n=tiles, min_split_bytes=1)
+    check_decode(batch, heads, groups, dim, n_history, dtype, config=config, pads=pads, key_bits=key_bits,
+                 bits=value_bits)
+    assert launches, "the CUDA history kernel did not serve the call"
+
+
+def test_cuda_history_kernel_follows_a_rising_max_and_falls_back_where_it_does_not_serve(monkeypatch):
+    """The lazily rescaled running max moving mid-split (keys up to 25x larger along one split), and a call it does
+    not serve (soft-capping) runs Triton's history programs."""
+    from test_kernels import check_decode
+
+    from oscar_hf.kernels.decode import cuda
+
+    config = DecodeConfig(history_kernel="cuda", block_n=32, min_split_bytes=1 << 30)
+    for dtype in (torch.bfloat16, torch.float16):
+        check_decode(1, 1, 4, 128, 1000, dtype, config=config, key_ramp=24.0, pads=(5,))
+    query = torch.randn(1, 4, 1, 128, device="cuda", dtype=torch.bfloat16)
+    layer_history = [torch.zeros(1, 1, 64, 32, dtype=torch.uint8, device="cuda"),
+                     *[torch.zeros(1, 1, 64, 1, dtype=torch.float16, device="cuda")] * 2] * 2
+    assert cuda.serves(query, layer_history, 2, 2, 128, None)
+    assert not cuda.serves(query, layer_history, 2, 2, 128, 50.0)
+    assert not cuda.serves(query.float(), layer_history, 2, 2, 128, None)

@@ -1159,3 +1159,17 @@ def test_dequantize_backend_falls_back_to_the_twin_where_the_kernel_cannot_serve
     dequantize_backend("triton", torch.device(DEVICE))(rows, None, got, bits=2)
     dequantize_backend("torch", torch.device(DEVICE))(rows, None, want, bits=2)
     assert torch.equal(got, want)
+
+
+def test_the_cuda_history_kernel_is_chosen_by_name_and_never_where_it_cannot_run():
+    """``DecodeConfig.history_kernel`` names a registered kernel (ValueError listing them otherwise); the CUDA one
+    serves nothing off CUDA (here: the interpreter's CPU tensors), so such a call runs Triton's history programs."""
+    from oscar_hf.kernels.decode import cuda
+
+    with pytest.raises(ValueError, match="history_kernel must be one of"):
+        DecodeConfig(history_kernel="gluon")
+    query = torch.randn(1, 4, 1, 128, dtype=torch.bfloat16)
+    history = [torch.zeros(1, 1, 64, 32, dtype=torch.uint8), *[torch.zeros(1, 1, 64, 1, dtype=torch.float16)] * 2] * 2
+    assert not cuda.serves(query, history, 2, 2, 128, None)
+    if DEVICE == "cpu":
+        check_decode(1, 2, 4, 128, 70, torch.bfloat16, config=DecodeConfig(history_kernel="cuda"), pads=(3,))

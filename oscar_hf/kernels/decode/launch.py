@@ -13,6 +13,7 @@ from ..utils import sm_count, triton_runs_on
 DTYPES = (torch.bfloat16, torch.float16)  # the kernel's query and window dtypes
 WINDOW_BLOCK = {64: 32, 128: 32, 256: 16, 512: 16}  # sink/recent tile rows per head_dim (shared memory < 40 KiB)
 MAX_QUERY_ROWS = 32  # query heads x query tokens per program of a several-token call (accumulator registers)
+HISTORY_KERNELS = ("triton", "cuda")
 SHORT_HISTORY_TILES = 8  # history programs of at most this many tiles are "short" (window programs finish last)
 
 
@@ -35,6 +36,8 @@ class DecodeConfig:
         window_prefetch: window programs ask L2 for their rows first (None: :func:`window_prefetch`'s rule).
         max_history_programs_per_sm: a cap where window programs are few but not rare (0: none).
         window_tiles: tiles per sink/recent chunk (None: :func:`plan`'s rule, 1 or 2).
+        history_kernel: which kernel runs the history programs: "triton", or "cuda" (:mod:`.cuda`) where it serves
+            the call (else Triton's).
     """
 
     block_n: int = 64
@@ -49,8 +52,12 @@ class DecodeConfig:
     window_prefetch: bool | None = None
     max_history_programs_per_sm: float = 0.0
     window_tiles: int | None = None
+    history_kernel: str = "triton"
 
     def __post_init__(self):
+        if self.history_kernel not in HISTORY_KERNELS:
+            raise ValueError(f"DecodeConfig.history_kernel must be one of {HISTORY_KERNELS}; got "
+                             f"{self.history_kernel!r}")
         if self.programs_per_sm < 1 or self.max_history_programs_per_sm < 0:
             raise ValueError("DecodeConfig needs programs_per_sm >= 1 and max_history_programs_per_sm >= 0 (0: no "
                              f"cap); got {self.programs_per_sm} and {self.max_history_programs_per_sm}")
