@@ -77,7 +77,7 @@ from oscar_hf import DynamicOscarLayer, OscarConfig  # noqa: E402
 from oscar_hf.evaluation.environment import device_slug, environment, gpu_state  # noqa: E402
 from oscar_hf.kernels import PackedKV, quantize_kv  # noqa: E402
 from oscar_hf.kernels.decode import cuda as cuda_history  # noqa: E402
-from oscar_hf.kernels.decode.launch import DecodeConfig, default_config  # noqa: E402
+from oscar_hf.kernels.decode.launch import DecodeConfig, cuda_config, default_config  # noqa: E402
 from oscar_hf.kernels.decode.reference import attend as torch_attend  # noqa: E402
 from oscar_hf.kernels.decode.triton import decode  # noqa: E402
 from oscar_hf.kernels.dequantize.triton import fill_history  # noqa: E402
@@ -288,13 +288,13 @@ def sweep_configs(batch: int, d: int, fast_ok: bool) -> list[DecodeConfig]:
     cuda_runs = DEVICE == "cuda" and cuda_history.available(torch.device(DEVICE)) and d in cuda_history.HEAD_DIMS
     kernels = ARGS.history_kernels.split(",")
     cuda_runs = cuda_runs and "cuda" in kernels
-    with_cuda = [base] * ("triton" in kernels) + ([replace(base, history_kernel="cuda")] if cuda_runs else [])
+    with_cuda = [base] * ("triton" in kernels) + ([replace(cuda_config(batch, d), fast_unpack=fast_ok)]
+                                                  if cuda_runs else [])
     if not ARGS.sweep:
         return with_cuda
     if cuda_runs:
-        with_cuda += [replace(base, history_kernel="cuda", programs_per_sm=p, num_stages=s, min_program_tiles=0,
-                              max_history_programs_per_sm=0.0)
-                      for p, s in ((12, 4), (16, 3), (16, 4), (20, 3), (24, 2), (8, 6))]
+        with_cuda += [replace(with_cuda[-1], programs_per_sm=p, num_stages=s)
+                      for p, s in ((12, 3), (12, 4), (16, 4), (20, 3), (24, 2), (8, 6))]
     if "triton" not in kernels:
         return with_cuda
     tiles = {  # (block_n, warps, stages)

@@ -119,9 +119,10 @@ def test_extras_install_what_the_error_messages_name():
 
 def test_the_wheel_makes_lm_eval_find_hf_oscar(tmp_path):
     """A regular (non-editable) wheel of this checkout ships oscar_hf_lm_eval.pth and its hook at the root (pip puts
-    them in site-packages), the lm-eval task, the CUDA kernel's source and the ``lm_eval.models`` entry point. Installed alone into a folder
-    that a fresh interpreter reads as its site-packages (this environment's packages on its path, but none of its
-    .pth files, so not this checkout's editable install), lm-eval's registry has "hf-oscar" from that folder."""
+    them in site-packages), the lm-eval task, the CUDA kernel's source and the ``lm_eval.models`` entry point.
+    Installed alone into a folder that a fresh interpreter reads as its site-packages (this environment's packages on
+    its path, but none of its .pth files, so not this checkout's editable install), lm-eval's registry has "hf-oscar"
+    from that folder."""
     source = tmp_path / "source"
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__", "tests",
                                                                  "eval", "docs"))

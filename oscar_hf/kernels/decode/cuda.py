@@ -19,6 +19,7 @@ import torch
 SOURCE = Path(__file__).with_name("history.cu")
 WARPS = 4  # one-warp programs per block (they share nothing but the block's shared memory)
 HEAD_DIMS = (64, 128, 256)
+TILES = (16, 32, 64)  # tokens per tile (DecodeConfig.block_n): a thread's scales and zeros are one vector load
 MAX_GROUP = 8  # query heads per KV head: the MMA's N
 _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 

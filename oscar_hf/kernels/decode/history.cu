@@ -10,8 +10,10 @@
 // Layout. Per 16-token sub-tile (the MMA's M = 16 rows of tokens):
 //   logits [16 tokens x 8 query heads] = K codes [16 x D] . q^T      (mma m16n8k16, A = codes, B = q/f)
 //   out^T  [D channels x 8 query heads] += V codes^T [D x 16] . P    (A = codes, B = (p.s) transposed by movmatrix)
-// A thread (gid = lane / 4, tig = lane % 4) reads the K bytes [tig.W_K/4, (tig+1).W_K/4) of token rows gid and
-// gid + 8, and the V bytes [gid.W_V/8, (gid+1).W_V/8) of token rows 2tig, 2tig+1, 2tig+8, 2tig+9. Which channel each
+// Row r of sub-tile s (an MMA row, or a k index of the V dot) is token TPT.(r % 8) + 2s + r / 8 of the tile (TPT =
+// 2.SUB tokens per thread), so that the tokens of a thread's logit rows are contiguous (its scales and zeros are one
+// vector load). A thread (gid = lane / 4, tig = lane % 4) reads the K bytes [tig.W_K/4, (tig+1).W_K/4) of rows gid
+// and gid + 8, and the V bytes [gid.W_V/8, (gid+1).W_V/8) of rows 2tig, 2tig+1, 2tig+8, 2tig+9. Which channel each
 // fragment slot holds follows from those bytes (byte j of a row holds channels j + i.W at bit i.bits); q is loaded
 // in the same order, so the channel order inside the dots is free. Codes become dot operands by magic numbers:
 // (x >> shift) & mask | magic read as bf16 (fp16) is M + c.f (M = 128 or 1024), two per lop3; 1/f goes into q and
@@ -37,6 +39,7 @@ constexpr int NHW_V = BPT_V / 2;                     // V halfwords per thread a
 constexpr int KS = D / 16;                           // K dots per sub-tile (k-steps)
 constexpr int MT = D / 16;                           // V dots per sub-tile (m-tiles of channels)
 constexpr int SUB = TN / 16;                         // sub-tiles per tile
+constexpr int TPT = 2 * SUB;                         // tokens per thread and tile: rows gid, gid + 8 of each sub-tile
 constexpr float CENTER = ((1 << V_BITS) - 1) * 0.5f;
 #define NEG_INF __int_as_float(0xff800000)
 constexpr float SLACK = FP16 ? 0.0f : 8.0f;          // lazy rescaling: p <= 2**SLACK (fp16's p.s could overflow)
@@ -134,6 +137,13 @@ __device__ __forceinline__ float warp_sum_rows(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 16);
 }
 
+__device__ __forceinline__ int token(int sub, int row) { return TPT * (row % 8) + 2 * sub + row / 8; }
+
+template <int N> struct Vec;  // N halves as one shared-memory load
+template <> struct Vec<2> { typedef u32 T; };
+template <> struct Vec<4> { typedef uint2 T; };
+template <> struct Vec<8> { typedef uint4 T; };
+
 // channel and 1/f of K pair slot (word wi, halfword e, position p) of a thread with this tig
 __device__ __forceinline__ int key_channel(int tig, int wi, int e, int p) {
     const int j = tig * BPT_K + 4 * wi + 2 * e + p * K_BITS / 8;
@@ -164,6 +174,166 @@ __device__ __forceinline__ void load_tile(unsigned char* stage, int tile, int n_
         const int a = c / CHUNKS, j = c % CHUNKS;
         const u16* src = (a == 0 ? ks : a == 1 ? kz : a == 2 ? vs : vz) + start + 8 * j;
         copy16(base + OFF_META + a * 2 * TN + 16 * j, src, start + 8 * j < n_hist);
+    }
+}
+
+// A program's online softmax: per thread the output columns 2tig, 2tig + 1 (query heads) of its channel rows, the
+// running max (scaled logits), and partial sums over its tokens of p, p.s (as rounded for the dots) and p.(z + c.s).
+struct State {
+    float o[MT][4];
+    float m[2], den[2], ps[2], pz[2];
+};
+
+// One tile of the history from its stage: K dots of all sub-tiles (independent accumulators, so they interleave),
+// one softmax step, then the V dots. WHOLE: every token of the tile is below n_hist (no bounds selects).
+template <bool WHOLE>
+__device__ __forceinline__ void attend_tile(State& st, const unsigned char* stage, int start, int n_hist, int gid,
+                                            int tig, const u32 (&qb)[KS][2], float qoff0, float qoff1, float qsum0,
+                                            float qsum1, float qk_scale, const unsigned char* mask_row,
+                                            long long stride_mt) {
+    u32 kw[SUB][2][NWK];
+#pragma unroll
+    for (int sub = 0; sub < SUB; ++sub)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int w = 0; w < NWK; ++w)
+                kw[sub][r][w] = *(const u32*)(stage + token(sub, gid + 8 * r) * W_K + tig * BPT_K + 4 * w);
+    float l[SUB][4];
+#pragma unroll
+    for (int sub = 0; sub < SUB; ++sub) {
+        l[sub][0] = l[sub][2] = qoff0;
+        l[sub][1] = l[sub][3] = qoff1;
+    }
+#pragma unroll
+    for (int ksi = 0; ksi < KS; ++ksi) {
+#pragma unroll
+        for (int sub = 0; sub < SUB; ++sub) {
+            u32 a[4];
+#pragma unroll
+            for (int slot = 0; slot < 2; ++slot) {
+                const int pi = 2 * ksi + slot, wi = pi / NPOS_K, p = pi % NPOS_K;
+                const int shift = p / PER_K * PER_K * K_BITS;
+                const u32 bits = ((1u << K_BITS) - 1) << (p % PER_K * K_BITS);
+                a[2 * slot] = unpack2(kw[sub][0][wi] >> shift, bits * 0x10001u);
+                a[2 * slot + 1] = unpack2(kw[sub][1][wi] >> shift, bits * 0x10001u);
+            }
+            mma(l[sub], a[0], a[1], a[2], a[3], qb[ksi][0], qb[ksi][1]);
+        }
+    }
+    // this thread's tokens are TPT.gid + j, j = 2.sub + row half: their scales and zeros are one load per vector
+    typedef typename Vec<TPT>::T Meta;
+    const u16* meta_s = (const u16*)(stage + OFF_META) + TPT * gid;
+    const Meta sk_raw = *(const Meta*)meta_s, zk_raw = *(const Meta*)(meta_s + TN);
+    const Meta sv_raw = *(const Meta*)(meta_s + 2 * TN), zv_raw = *(const Meta*)(meta_s + 3 * TN);
+    const u16 *sk_h = (const u16*)&sk_raw, *zk_h = (const u16*)&zk_raw;
+    const u16 *sv_h = (const u16*)&sv_raw, *zv_h = (const u16*)&zv_raw;
+    float sv[TPT], mid[TPT];
+    float tile0 = NEG_INF, tile1 = NEG_INF;  // this thread's max of columns 2tig, 2tig + 1
+#pragma unroll
+    for (int sub = 0; sub < SUB; ++sub) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int j = 2 * sub + r;
+            const float sk = f16_to_float(sk_h[j]) * qk_scale, zk = f16_to_float(zk_h[j]);
+            sv[j] = f16_to_float(sv_h[j]);
+            mid[j] = f16_to_float(zv_h[j]) + CENTER * sv[j];
+            float x0 = sk * l[sub][2 * r] + zk * qsum0;  // qsum and sk carry qk_scale
+            float x1 = sk * l[sub][2 * r + 1] + zk * qsum1;
+            bool live = true;
+            if (!WHOLE) {  // tokens past the history: no weight, and scales that may be garbage are not read
+                live = start + TPT * gid + j < n_hist;
+                sv[j] = live ? sv[j] : 0.0f;
+                mid[j] = live ? mid[j] : 0.0f;
+            }
+#if HAS_MASK
+            live = live && mask_row[(long long)(TPT * gid + j) * stride_mt] != 0;
+#endif
+            if (!WHOLE || HAS_MASK) {
+                x0 = live ? x0 : NEG_INF;
+                x1 = live ? x1 : NEG_INF;
+            }
+            l[sub][2 * r] = x0;
+            l[sub][2 * r + 1] = x1;
+            tile0 = fmaxf(tile0, x0);
+            tile1 = fmaxf(tile1, x1);
+        }
+    }
+    if (__any_sync(0xffffffffu, tile0 - st.m[0] > SLACK || tile1 - st.m[1] > SLACK)) {  // rare once settled
+        const float n0 = fmaxf(st.m[0], warp_max_rows(tile0)), n1 = fmaxf(st.m[1], warp_max_rows(tile1));
+        const float alpha[2] = {fast_exp2(st.m[0] - n0), fast_exp2(st.m[1] - n1)};
+        st.m[0] = n0;
+        st.m[1] = n1;
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            st.den[c] *= alpha[c];
+            st.ps[c] *= alpha[c];
+            st.pz[c] *= alpha[c];
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            st.o[mt][0] *= alpha[0]; st.o[mt][2] *= alpha[0];
+            st.o[mt][1] *= alpha[1]; st.o[mt][3] *= alpha[1];
+        }
+    }
+    // p.s as the V dots' B operand: rows gid, gid + 8 packed, then transposed to (k = 2tig, 2tig + 1 [+ 8]; head gid)
+    u32 pb[SUB][2];
+#pragma unroll
+    for (int sub = 0; sub < SUB; ++sub) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int j = 2 * sub + r;
+            const float p0 = fast_exp2(l[sub][2 * r] - st.m[0]), p1 = fast_exp2(l[sub][2 * r + 1] - st.m[1]);
+            st.den[0] += p0; st.den[1] += p1;
+            st.pz[0] += p0 * mid[j]; st.pz[1] += p1 * mid[j];
+            const u32 x = pack2(p0 * sv[j], p1 * sv[j]);
+#if FP16
+            st.ps[0] += half_to_float((u16)x); st.ps[1] += half_to_float((u16)(x >> 16));
+#else
+            st.ps[0] += __uint_as_float(x << 16); st.ps[1] += __uint_as_float(x & 0xffff0000u);
+#endif
+            pb[sub][r] = transpose8x8(x);
+        }
+    }
+    // V: rows 2tig, 2tig + 1, 2tig + 8, 2tig + 9 of each sub-tile, the bytes of this gid, two tokens per register
+    u32 va[SUB][NHW_V], vb[SUB][NHW_V];
+#pragma unroll
+    for (int sub = 0; sub < SUB; ++sub) {
+        const unsigned char* v0 = stage + OFF_V + token(sub, 2 * tig) * W_V + gid * BPT_V;
+        const unsigned char* v1 = stage + OFF_V + token(sub, 2 * tig + 1) * W_V + gid * BPT_V;
+        const unsigned char* v8 = stage + OFF_V + token(sub, 2 * tig + 8) * W_V + gid * BPT_V;
+        const unsigned char* v9 = stage + OFF_V + token(sub, 2 * tig + 9) * W_V + gid * BPT_V;
+#pragma unroll
+        for (int hw = 0; hw < NHW_V; hw += 2) {
+            if (NHW_V == 1) {
+                const u32 t0 = *(const u16*)v0, t1 = *(const u16*)v1, t8 = *(const u16*)v8, t9 = *(const u16*)v9;
+                va[sub][hw] = prmt(t0, t1, 0x5410);
+                vb[sub][hw] = prmt(t8, t9, 0x5410);
+            } else {
+                const u32 t0 = *(const u32*)(v0 + 2 * hw), t1 = *(const u32*)(v1 + 2 * hw);
+                const u32 t8 = *(const u32*)(v8 + 2 * hw), t9 = *(const u32*)(v9 + 2 * hw);
+                va[sub][hw] = prmt(t0, t1, 0x5410);
+                va[sub][hw + 1] = prmt(t0, t1, 0x7632);
+                vb[sub][hw] = prmt(t8, t9, 0x5410);
+                vb[sub][hw + 1] = prmt(t8, t9, 0x7632);
+            }
+        }
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int sub = 0; sub < SUB; ++sub) {
+            u32 a[4];
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int sl = 2 * mt + half, hw = sl / NPOS_V, p = sl % NPOS_V;
+                const int shift = p / PER_V * PER_V * V_BITS;
+                const u32 bits = ((1u << V_BITS) - 1) << (p % PER_V * V_BITS);
+                a[half] = unpack2(va[sub][hw] >> shift, bits * 0x10001u);      // channel row gid (+8), k 2tig..
+                a[2 + half] = unpack2(vb[sub][hw] >> shift, bits * 0x10001u);  // k 2tig + 8 ..
+            }
+            mma(st.o[mt], a[0], a[1], a[2], a[3], pb[sub][0], pb[sub][1]);
+        }
     }
 }
 
@@ -219,17 +389,22 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) oscar_history(
     q_sum += __shfl_xor_sync(0xffffffffu, q_sum, 2);
     q_scaled += __shfl_xor_sync(0xffffffffu, q_scaled, 1);
     q_scaled += __shfl_xor_sync(0xffffffffu, q_scaled, 2);
-    // this thread's logit columns are query heads 2tig and 2tig + 1
-    const float qsum0 = __shfl_sync(0xffffffffu, q_sum, 8 * tig), qsum1 = __shfl_sync(0xffffffffu, q_sum, 8 * tig + 4);
+    // this thread's logit columns are query heads 2tig and 2tig + 1; sum(q) times the logit scale
+    const float qsum0 = qk_scale * __shfl_sync(0xffffffffu, q_sum, 8 * tig);
+    const float qsum1 = qk_scale * __shfl_sync(0xffffffffu, q_sum, 8 * tig + 4);
     const float qoff0 = -M_VALUE * __shfl_sync(0xffffffffu, q_scaled, 8 * tig);
     const float qoff1 = -M_VALUE * __shfl_sync(0xffffffffu, q_scaled, 8 * tig + 4);
 
-    float o[MT][4];
+    State st;
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
-    float m0 = -1.0e30f, m1 = -1.0e30f;  // running max (scaled logits) of columns 2tig, 2tig + 1
-    float den0 = 0.0f, den1 = 0.0f, ps0 = 0.0f, ps1 = 0.0f, pz0 = 0.0f, pz1 = 0.0f;  // per-thread partials
+    for (int mt = 0; mt < MT; ++mt) st.o[mt][0] = st.o[mt][1] = st.o[mt][2] = st.o[mt][3] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        st.m[c] = -1.0e30f;  // finite: a fully masked tile leaves alpha = 1 and p = 0
+        st.den[c] = st.ps[c] = st.pz[c] = 0.0f;
+    }
 
+    int slot = 0;  // the stage of tile i
     for (int i = 0; i < tiles; ++i) {
         if (i + STAGES - 1 < tiles)
             load_tile(ring + (i + STAGES - 1) % STAGES * STAGE_BYTES, split + (i + STAGES - 1) * hist_splits, n_hist,
@@ -237,149 +412,24 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) oscar_history(
         asm volatile("cp.async.commit_group;");
         asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1));
         __syncwarp();
-        const unsigned char* stage = ring + i % STAGES * STAGE_BYTES;
-        const u16* meta_s = (const u16*)(stage + OFF_META);
+        const unsigned char* stage = ring + slot * STAGE_BYTES;
+        slot = slot + 1 == STAGES ? 0 : slot + 1;
         const int start = (split + i * hist_splits) * TN;
-        const bool whole = start + TN <= n_hist;
-        // K: logits of tokens r0 = 16.sub + gid and r1 = r0 + 8 for query heads 2tig, 2tig + 1; the sub-tiles' dots
-        // interleave (independent accumulators), then one softmax step covers the tile
-        u32 kw[SUB][2][NWK];
-#pragma unroll
-        for (int sub = 0; sub < SUB; ++sub)
-#pragma unroll
-            for (int r = 0; r < 2; ++r)
-#pragma unroll
-                for (int w = 0; w < NWK; ++w)
-                    kw[sub][r][w] = *(const u32*)(stage + (sub * 16 + gid + 8 * r) * W_K + tig * BPT_K + 4 * w);
-        float l[SUB][4];
-#pragma unroll
-        for (int sub = 0; sub < SUB; ++sub) {
-            l[sub][0] = l[sub][2] = qoff0;
-            l[sub][1] = l[sub][3] = qoff1;
-        }
-#pragma unroll
-        for (int ksi = 0; ksi < KS; ++ksi) {
-#pragma unroll
-            for (int sub = 0; sub < SUB; ++sub) {
-                u32 a[4];
-#pragma unroll
-                for (int slot = 0; slot < 2; ++slot) {
-                    const int pi = 2 * ksi + slot, wi = pi / NPOS_K, p = pi % NPOS_K;
-                    const int shift = p / PER_K * PER_K * K_BITS;
-                    const u32 bits = ((1u << K_BITS) - 1) << (p % PER_K * K_BITS);
-                    a[2 * slot] = unpack2(kw[sub][0][wi] >> shift, bits * 0x10001u);
-                    a[2 * slot + 1] = unpack2(kw[sub][1][wi] >> shift, bits * 0x10001u);
-                }
-                mma(l[sub], a[0], a[1], a[2], a[3], qb[ksi][0], qb[ksi][1]);
-            }
-        }
-        float sv[SUB][2], mid[SUB][2];
-        float tile0 = NEG_INF, tile1 = NEG_INF;  // this thread's max of columns 2tig, 2tig + 1
-#pragma unroll
-        for (int sub = 0; sub < SUB; ++sub) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int row = sub * 16 + gid + 8 * r;
-                const float sk = f16_to_float(meta_s[row]), zk = f16_to_float(meta_s[TN + row]);
-                sv[sub][r] = f16_to_float(meta_s[2 * TN + row]);
-                mid[sub][r] = f16_to_float(meta_s[3 * TN + row]) + CENTER * sv[sub][r];
-                float x0 = (sk * l[sub][2 * r] + zk * qsum0) * qk_scale;
-                float x1 = (sk * l[sub][2 * r + 1] + zk * qsum1) * qk_scale;
-                bool live = true;
-                if (!whole) {  // tokens past the history: no weight, and scales that may be garbage are not read
-                    live = start + row < n_hist;
-                    sv[sub][r] = live ? sv[sub][r] : 0.0f;
-                    mid[sub][r] = live ? mid[sub][r] : 0.0f;
-                }
-#if HAS_MASK
-                live = live && (start + row >= n_hist
-                                || mask[b * stride_mb + (long long)(n_sink + start + row) * stride_mt] != 0);
-#endif
-                if (!whole || HAS_MASK) {
-                    x0 = live ? x0 : NEG_INF;
-                    x1 = live ? x1 : NEG_INF;
-                }
-                l[sub][2 * r] = x0;
-                l[sub][2 * r + 1] = x1;
-                tile0 = fmaxf(tile0, x0);
-                tile1 = fmaxf(tile1, x1);
-            }
-        }
-        if (__any_sync(0xffffffffu, tile0 - m0 > SLACK || tile1 - m1 > SLACK)) {  // rare once the max has settled
-            const float n0 = fmaxf(m0, warp_max_rows(tile0)), n1 = fmaxf(m1, warp_max_rows(tile1));
-            const float alpha0 = fast_exp2(m0 - n0), alpha1 = fast_exp2(m1 - n1);
-            m0 = n0; m1 = n1;
-            den0 *= alpha0; ps0 *= alpha0; pz0 *= alpha0;
-            den1 *= alpha1; ps1 *= alpha1; pz1 *= alpha1;
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                o[mt][0] *= alpha0; o[mt][2] *= alpha0;
-                o[mt][1] *= alpha1; o[mt][3] *= alpha1;
-            }
-        }
-        // p.s as the V dots' B operand: rows r0, r1 packed, then transposed to (tokens 2tig, 2tig + 1 [+ 8]; head gid)
-        u32 pb[SUB][2];
-#pragma unroll
-        for (int sub = 0; sub < SUB; ++sub) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const float p0 = fast_exp2(l[sub][2 * r] - m0), p1 = fast_exp2(l[sub][2 * r + 1] - m1);
-                den0 += p0; den1 += p1;
-                pz0 += p0 * mid[sub][r]; pz1 += p1 * mid[sub][r];
-                const u32 x = pack2(p0 * sv[sub][r], p1 * sv[sub][r]);
-#if FP16
-                ps0 += half_to_float((u16)x); ps1 += half_to_float((u16)(x >> 16));
-#else
-                ps0 += __uint_as_float(x << 16); ps1 += __uint_as_float(x & 0xffff0000u);
-#endif
-                pb[sub][r] = transpose8x8(x);
-            }
-        }
-        // V: rows 2tig, 2tig + 1, 2tig + 8, 2tig + 9 of each sub-tile, the bytes of this gid, two tokens per register
-        u32 va[SUB][NHW_V], vb[SUB][NHW_V];
-#pragma unroll
-        for (int sub = 0; sub < SUB; ++sub) {
-            const unsigned char* vrow = stage + OFF_V + (sub * 16 + 2 * tig) * W_V + gid * BPT_V;
-#pragma unroll
-            for (int hw = 0; hw < NHW_V; hw += 2) {
-                if (NHW_V == 1) {
-                    const u32 t0 = *(const u16*)vrow, t1 = *(const u16*)(vrow + W_V);
-                    const u32 t8 = *(const u16*)(vrow + 8 * W_V), t9 = *(const u16*)(vrow + 9 * W_V);
-                    va[sub][hw] = prmt(t0, t1, 0x5410);
-                    vb[sub][hw] = prmt(t8, t9, 0x5410);
-                } else {
-                    const u32 t0 = *(const u32*)(vrow + 2 * hw), t1 = *(const u32*)(vrow + W_V + 2 * hw);
-                    const u32 t8 = *(const u32*)(vrow + 8 * W_V + 2 * hw), t9 = *(const u32*)(vrow + 9 * W_V + 2 * hw);
-                    va[sub][hw] = prmt(t0, t1, 0x5410);
-                    va[sub][hw + 1] = prmt(t0, t1, 0x7632);
-                    vb[sub][hw] = prmt(t8, t9, 0x5410);
-                    vb[sub][hw + 1] = prmt(t8, t9, 0x7632);
-                }
-            }
-        }
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-            for (int sub = 0; sub < SUB; ++sub) {
-                u32 a[4];
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int sl = 2 * mt + half, hw = sl / NPOS_V, p = sl % NPOS_V;
-                    const int shift = p / PER_V * PER_V * V_BITS;
-                    const u32 bits = ((1u << V_BITS) - 1) << (p % PER_V * V_BITS);
-                    a[half] = unpack2(va[sub][hw] >> shift, bits * 0x10001u);      // channel row gid (+8), tokens 2tig..
-                    a[2 + half] = unpack2(vb[sub][hw] >> shift, bits * 0x10001u);  // tokens 2tig + 8 ..
-                }
-                mma(o[mt], a[0], a[1], a[2], a[3], pb[sub][0], pb[sub][1]);
-            }
-        }
+        const unsigned char* mask_row = HAS_MASK ? mask + b * stride_mb + (long long)(n_sink + start) * stride_mt
+                                                 : nullptr;
+        if (start + TN <= n_hist)
+            attend_tile<true>(st, stage, start, n_hist, gid, tig, qb, qoff0, qoff1, qsum0, qsum1, qk_scale, mask_row,
+                              stride_mt);
+        else
+            attend_tile<false>(st, stage, start, n_hist, gid, tig, qb, qoff0, qoff1, qsum0, qsum1, qk_scale, mask_row,
+                               stride_mt);
         __syncwarp();  // every lane is done with this stage before it is refilled
     }
     asm volatile("cp.async.wait_group 0;");
 
-    den0 = warp_sum_rows(den0); den1 = warp_sum_rows(den1);
-    ps0 = warp_sum_rows(ps0); ps1 = warp_sum_rows(ps1);
-    pz0 = warp_sum_rows(pz0); pz1 = warp_sum_rows(pz1);
+    const float den0 = warp_sum_rows(st.den[0]), den1 = warp_sum_rows(st.den[1]);
+    const float ps0 = warp_sum_rows(st.ps[0]), ps1 = warp_sum_rows(st.ps[1]);
+    const float pz0 = warp_sum_rows(st.pz[0]), pz1 = warp_sum_rows(st.pz[1]);
     const int out_split = win_splits + split;
     const long long row0 = (long long)bh * group_q;
     const float inv0 = 1.0f / (den0 > 0.0f ? den0 : 1.0f), inv1 = 1.0f / (den1 > 0.0f ? den1 : 1.0f);
@@ -395,7 +445,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) oscar_history(
                 const int head = 2 * tig + c;
                 if (head < group_q) {
                     const float ps = c ? ps1 : ps0, pz = c ? pz1 : pz0, inv = c ? inv1 : inv0;
-                    const float val = ((o[mt][2 * half + c] - M_VALUE * ps) * inv_f + pz - CENTER * ps) * inv;
+                    const float val = ((st.o[mt][2 * half + c] - M_VALUE * ps) * inv_f + pz - CENTER * ps) * inv;
                     part_o[((row0 + head) * total_splits + out_split) * D + ch] = val;
                 }
             }
@@ -405,7 +455,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) oscar_history(
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
             const int head = 2 * tig + c;
-            const float den = c ? den1 : den0, m = c ? m1 : m0;
+            const float den = c ? den1 : den0, m = st.m[c];
             if (head < group_q)
                 part_lse[(row0 + head) * total_splits + out_split] = den > 0.0f ? m + __log2f(den) : NEG_INF;
         }

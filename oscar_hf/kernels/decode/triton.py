@@ -833,7 +833,7 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
     mu = (*center, *center[0].stride()[:2]) if center else (mask, mask, 0, 0)
     # the history programs in CUDA where asked for and served: then Triton's grid holds the window programs only
     cuda_history = (cfg.history_kernel == "cuda" and not interpreting and hist_splits > 0
-                    and cuda.serves(query, history, key_bits, value_bits, group, softcap))
+                    and cfg.block_n in cuda.TILES and cuda.serves(query, history, key_bits, value_bits, group, softcap))
     with on_device_of(query):
         _decode_stage1_kernel[(batch * heads, total - hist_splits if cuda_history else total)](
             query, *query.stride()[:3], rotated_query, *rotated_query.stride()[:3],
