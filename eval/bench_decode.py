@@ -1,20 +1,23 @@
 """Decode-attention and write-kernel benchmark of the Triton backend (and the CUDA history kernel) on one CUDA GPU.
 
-    PYTHONPATH=. python eval/bench_decode.py [--quick] [--sweep] [--shapes qwen3-8b,...] [--key-bits 4] [--out DIR]
+    PYTHONPATH=. python eval/bench_decode.py [--quick] [--sweep] [--shapes qwen3-8b,...] [--key-bits 4]
+                                             [--history-kernels triton,cuda] [--out DIR]
     PYTHONPATH=. python eval/bench_decode.py --smoke          # CPU, TRITON_INTERPRET=1, tiny shapes, no timings
 
 1. Checks both kernels against their torch oracles (write: bit-identical; decode: as close to an fp32 reference
-   as the torch twin), for the inline-PTX and the plain unpacking; aborts if neither is right.
+   as the torch twin), for the inline-PTX and the plain unpacking, and the decode with the CUDA history kernel;
+   aborts if neither unpacking is right, or the CUDA one is wrong.
 2. Measures the device copy bandwidth (a large device-to-device copy, bytes read + written).
-3. Times the decode kernel over T x batch x shape, from CUDA graphs that run the call on several rotated input
-   sets (more bytes than the L2 cache; no Python launch overhead), two ways (:class:`GraphTime`): each replay after
-   triton.testing.do_bench's L2 flush (median; the flush's dirty lines and the replay's launch weigh on short
-   calls), and replays back to back (``steady_*`` columns), as calls run within a decode step's graph. It reports
-   GB/s over the packed bytes read (codes + scales/zeros + sink/recent windows + q), the fraction of the copy
-   bandwidth, and the speedup over bf16 torch SDPA decode (same context and GQA, query heads packed per KV head;
-   the same timing). The eager time of one call (Python launch overhead included) is reported too, and the
-   fraction of the copy bandwidth that a kernel which only reads the same bytes reaches (``read_frac_copy_bw``:
-   the ceiling at that size, where launch and ramp-up weigh on a few microseconds of data).
+3. Times the decode kernel over T x batch x shape, with Triton's history programs and with the CUDA ones
+   (``launch.cuda_config``, where they can run; ``--history-kernels`` picks), from CUDA graphs that run the call on
+   several rotated input sets (more bytes than the L2 cache; no Python launch overhead), two ways
+   (:class:`GraphTime`): each replay after triton.testing.do_bench's L2 flush (median; the flush's dirty lines and
+   the replay's launch weigh on short calls), and replays back to back (``steady_*`` columns), as calls run within a
+   decode step's graph. It reports GB/s over the packed bytes read (codes + scales/zeros + sink/recent windows + q),
+   the fraction of the copy bandwidth, and the speedup over bf16 torch SDPA decode (same context and GQA, query heads
+   packed per KV head; the same timing). The eager time of one call (Python launch overhead included) is reported
+   too, and the fraction of the copy bandwidth that a kernel which only reads the same bytes reaches
+   (``read_frac_copy_bw``: the ceiling at that size, where launch and ramp-up weigh on a few microseconds of data).
 4. Times the write kernel on a 32K-token prefill of one layer (as the cache calls it: bf16 rows, centered in the
    kernel), and the layer's whole prefill update, against that layer's bf16 SDPA prefill (GPU time).
 5. Times a 4-token verify step (assisted decoding) over 32K and 128K tokens of one layer: the decode kernel with
