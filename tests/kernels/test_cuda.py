@@ -470,8 +470,8 @@ def test_cuda_history_kernel_equals_the_torch_twin(monkeypatch, batch, heads, gr
 
 
 def test_cuda_history_kernel_follows_a_rising_max_and_falls_back_where_it_does_not_serve(monkeypatch):
-    """The lazily rescaled running max moving mid-split (keys up to 25x larger along one split), and a call it does
-    not serve (soft-capping) runs Triton's history programs."""
+    """The lazily rescaled running max moving mid-split (keys up to 25x larger along one split), and what it does not
+    serve (soft-capping, fp32, a tile it does not take, more shared memory than a block has) is said so."""
     from test_kernels import check_decode
 
     from oscar_hf.kernels.decode import cuda
@@ -482,6 +482,8 @@ def test_cuda_history_kernel_follows_a_rising_max_and_falls_back_where_it_does_n
     query = torch.randn(1, 4, 1, 128, device="cuda", dtype=torch.bfloat16)
     layer_history = [torch.zeros(1, 1, 64, 32, dtype=torch.uint8, device="cuda"),
                      *[torch.zeros(1, 1, 64, 1, dtype=torch.float16, device="cuda")] * 2] * 2
-    assert cuda.serves(query, layer_history, 2, 2, 128, None)
-    assert not cuda.serves(query, layer_history, 2, 2, 128, 50.0)
-    assert not cuda.serves(query.float(), layer_history, 2, 2, 128, None)
+    assert cuda.serves(query, layer_history, 2, 2, 128, None, 64, 3)
+    assert not cuda.serves(query, layer_history, 2, 2, 128, 50.0, 64, 3)
+    assert not cuda.serves(query.float(), layer_history, 2, 2, 128, None, 64, 3)
+    assert not cuda.serves(query, layer_history, 2, 2, 128, None, 128, 3)  # a tile it does not take
+    assert not cuda.serves(query, layer_history, 2, 2, 128, None, 64, 40)  # more shared memory than a block has

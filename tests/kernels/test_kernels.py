@@ -1170,6 +1170,9 @@ def test_the_cuda_history_kernel_is_chosen_by_name_and_never_where_it_cannot_run
         DecodeConfig(history_kernel="gluon")
     query = torch.randn(1, 4, 1, 128, dtype=torch.bfloat16)
     history = [torch.zeros(1, 1, 64, 32, dtype=torch.uint8), *[torch.zeros(1, 1, 64, 1, dtype=torch.float16)] * 2] * 2
-    assert not cuda.serves(query, history, 2, 2, 128, None)
+    assert not cuda.serves(query, history, 2, 2, 128, None, 64, 3)
+    # a block's shared memory: 4 one-warp programs, each a ring of stages of K and V codes and 4 scale/zero vectors
+    assert cuda.block_shared_memory(128, 2, 2, 64, 3) == 4 * 3 * (64 * 64 + 8 * 64)
+    assert cuda.block_shared_memory(256, 4, 4, 64, 4) > 227 * 1024  # past an H100's or H200's: Triton's serve
     if DEVICE == "cpu":
         check_decode(1, 2, 4, 128, 70, torch.bfloat16, config=DecodeConfig(history_kernel="cuda"), pads=(3,))

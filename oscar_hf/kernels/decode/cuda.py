@@ -88,7 +88,7 @@ def _kernel(device_index: int, d: int, key_bits: int, value_bits: int, fp16: boo
         torch.cuda.current_stream()  # the device's primary context is current
         _check(driver.cuModuleLoadData(ctypes.byref(module), cubin), "cuModuleLoadData")
         _check(driver.cuModuleGetFunction(ctypes.byref(function), module, b"oscar_history"), "cuModuleGetFunction")
-        shared = WARPS * stages * stage_bytes(d, key_bits, value_bits, tile)
+        shared = block_shared_memory(d, key_bits, value_bits, tile, stages)
         _check(driver.cuFuncSetAttribute(function, _MAX_DYNAMIC_SHARED, shared), "cuFuncSetAttribute")
     return function, shared
 
@@ -101,10 +101,11 @@ def _aligned(t: torch.Tensor, dims: int = 2) -> bool:
 
 
 def serves(query: torch.Tensor, history: list[torch.Tensor], key_bits: int, value_bits: int, group: int,
-           softcap: float | None) -> bool:
-    """Whether the kernel serves the history programs of this call: one query token in bf16/fp16 on CUDA sm_80+,
-    head_dim 64/128/256, at most 8 query heads per KV head, 2- or 4-bit K and V with one fp16 scale and zero per
-    token, 16-byte aligned code rows and scale/zero blocks (a capacity of a multiple of 8 tokens), no soft-capping."""
+           softcap: float | None, tile: int, stages: int) -> bool:
+    """Whether the kernel serves the history programs of this call with ``tile``-token tiles over ``stages`` stages:
+    one query token in bf16/fp16 on CUDA sm_80+, head_dim 64/128/256, at most 8 query heads per KV head, 2- or 4-bit
+    K and V with one fp16 scale and zero per token, 16-byte aligned code rows and scale/zero blocks (a capacity of a
+    multiple of 8 tokens), no soft-capping, a tile in TILES and a block's stages within the GPU's shared memory."""
     codes_k, scale_k = history[0], history[1]
     d = query.shape[-1]
     return (
@@ -115,9 +116,21 @@ def serves(query: torch.Tensor, history: list[torch.Tensor], key_bits: int, valu
         and query.shape[1] // codes_k.shape[1] <= MAX_GROUP
         and softcap is None
         and scale_k.dtype == torch.float16 and scale_k.shape[-1] == 1
+        and tile in TILES and stages >= 2
         and all(_aligned(t) for t in history)
         and available(query.device)
+        and block_shared_memory(d, key_bits, value_bits, tile, stages) <= _shared_memory_limit(query.device)
     )
+
+
+def _shared_memory_limit(device: torch.device) -> int:
+    """A block's shared memory on ``device`` once its dynamic limit is raised (48 KiB where torch does not say)."""
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 48 * 1024)
+
+
+def block_shared_memory(d: int, key_bits: int, value_bits: int, tile: int, stages: int) -> int:
+    """Bytes of shared memory of one block: each of its WARPS programs' ring of ``stages`` stages."""
+    return WARPS * stages * stage_bytes(d, key_bits, value_bits, tile)
 
 
 def history(rotated_query: torch.Tensor, history: list[torch.Tensor], mask: torch.Tensor | None, part_o: torch.Tensor,

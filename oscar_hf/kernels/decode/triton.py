@@ -832,8 +832,9 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
     hist_strides = history[0].stride()[:2] + history[3].stride()[:2] + history[1].stride()[:2]
     mu = (*center, *center[0].stride()[:2]) if center else (mask, mask, 0, 0)
     # the history programs in CUDA where asked for and served: then Triton's grid holds the window programs only
+    stages = max(cfg.num_stages, 2)
     cuda_history = (cfg.history_kernel == "cuda" and not interpreting and hist_splits > 0
-                    and cfg.block_n in cuda.TILES and cuda.serves(query, history, key_bits, value_bits, group, softcap))
+                    and cuda.serves(query, history, key_bits, value_bits, group, softcap, cfg.block_n, stages))
     with on_device_of(query):
         _decode_stage1_kernel[(batch * heads, total - hist_splits if cuda_history else total)](
             query, *query.stride()[:3], rotated_query, *rotated_query.stride()[:3],
@@ -858,8 +859,7 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
         )
         if cuda_history:
             cuda.history(rotated_query, history, None if attention_mask is None else mask, part_o, part_lse, counts,
-                         hist_splits, total, scaling * LOG2E, key_bits, value_bits, cfg.block_n,
-                         max(cfg.num_stages, 2))
+                         hist_splits, total, scaling * LOG2E, key_bits, value_bits, cfg.block_n, stages)
         _decode_stage2_kernel[(batch * hq * q_len, d // 32)](
             part_o, part_lse, out, out_hist, total, total - hist_splits, rotated_query, *rotated_query.stride()[:3],
             *mu, hq, scaling * LOG2E, mask if sinks is None else sinks,
