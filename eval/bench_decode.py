@@ -17,7 +17,9 @@
    the fraction of the copy bandwidth, and the speedup over bf16 torch SDPA decode (same context and GQA, query heads
    packed per KV head; the same timing). The eager time of one call (Python launch overhead included) is reported
    too, and the fraction of the copy bandwidth that a kernel which only reads the same bytes reaches
-   (``read_frac_copy_bw``: the ceiling at that size, where launch and ramp-up weigh on a few microseconds of data).
+   (``read_frac_copy_bw``: the ceiling at that size, where launch and ramp-up weigh on a few microseconds of data),
+   and the fraction that a kernel reading only the history's codes, scales and zeros with the decode's layout and
+   split pattern reaches (``steady_layout_read_frac_copy_bw``: the ceiling of that access pattern).
 4. Times the write kernel on a 32K-token prefill of one layer (as the cache calls it: bf16 rows, centered in the
    kernel), and the layer's whole prefill update, against that layer's bf16 SDPA prefill (GPU time).
 5. Times a 4-token verify step (assisted decoding) over 32K and 128K tokens of one layer: the decode kernel with
@@ -80,7 +82,7 @@ from oscar_hf import DynamicOscarLayer, OscarConfig  # noqa: E402
 from oscar_hf.evaluation.environment import device_slug, environment, gpu_state  # noqa: E402
 from oscar_hf.kernels import PackedKV, quantize_kv  # noqa: E402
 from oscar_hf.kernels.decode import cuda as cuda_history  # noqa: E402
-from oscar_hf.kernels.decode.launch import DecodeConfig, cuda_config, default_config  # noqa: E402
+from oscar_hf.kernels.decode.launch import DecodeConfig, cuda_config, default_config, plan  # noqa: E402
 from oscar_hf.kernels.decode.reference import attend as torch_attend  # noqa: E402
 from oscar_hf.kernels.decode.triton import decode  # noqa: E402
 from oscar_hf.kernels.dequantize.triton import fill_history  # noqa: E402
@@ -275,6 +277,53 @@ def read_time(nbytes: int) -> GraphTime:
     return GraphTime(min(t.flushed for t in times), min(t.steady for t in times))
 
 
+@triton.jit
+def _layout_read_kernel(kc, vc, ks, kz, vs, vz, out_ptr, stride_kb, stride_kh, stride_vb, stride_vh, stride_zb,
+                        stride_zh, H, n_hist, S, WK: tl.constexpr, WV: tl.constexpr, TN: tl.constexpr):
+    """Sums what a decode's history program reads (grid ``B·H × S``): the K and V code rows (int32 words, ``WK`` and
+    ``WV`` per token) and the four scale/zero vectors of tiles ``split, split + S, ...`` of ``TN`` tokens, with the
+    decode's layout and split pattern and no arithmetic on them."""
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    acc = tl.zeros([TN], tl.int32)
+    meta = b * stride_zb + h * stride_zh
+    for start in tl.range(split * TN, n_hist, S * TN, num_stages=3):
+        rows = start + tl.arange(0, TN)
+        live = rows < n_hist
+        k = tl.load(kc + b * stride_kb + h * stride_kh + rows[:, None] * WK + tl.arange(0, WK)[None, :],
+                    mask=live[:, None], other=0)
+        v = tl.load(vc + b * stride_vb + h * stride_vh + rows[:, None] * WV + tl.arange(0, WV)[None, :],
+                    mask=live[:, None], other=0)
+        acc += tl.sum(k, axis=1) + tl.sum(v, axis=1)
+        for vec in tl.static_range(4):
+            ptr = ks if vec == 0 else kz if vec == 1 else vs if vec == 2 else vz
+            acc += tl.load(ptr + meta + rows, mask=live, other=0).to(tl.int32)
+    tl.store(out_ptr + bh * tl.num_programs(1) + split, tl.sum(acc, axis=0))
+
+
+def layout_read_time(layers: list[PackedKV], batch: int, config: DecodeConfig) -> GraphTime:
+    """ms of the fastest :func:`_layout_read_kernel` over the layers' histories (the decode plan's splits, and twice
+    as many; 1 or 4 warps): what reading the history costs with the decode's layout and access pattern, at best."""
+    packed = layers[0]
+    n_hist = packed.key.codes.shape[2]
+    hist_splits = plan(packed, batch, config=config)[0]
+    times = []
+    for splits, warps in ((hist_splits, 1), (2 * hist_splits, 1), (hist_splits, 4)):
+        out = torch.empty(batch * packed.heads * splits, dtype=torch.int32, device=DEVICE)
+
+        def call(p, splits=splits, warps=warps, out=out):
+            kc, vc = (rows.codes.view(torch.int32) for rows in (p.key, p.value))
+            metas = [t.view(torch.int16) for t in (p.key.scale, p.key.zero, p.value.scale, p.value.zero)]
+            _layout_read_kernel[(batch * p.heads, splits)](
+                kc, vc, *metas, out, *kc.stride()[:2], *vc.stride()[:2], *metas[0].stride()[:2], p.heads, n_hist,
+                splits, WK=kc.shape[-1], WV=vc.shape[-1], TN=config.block_n, num_warps=warps)
+
+        times.append(graph_time([lambda p=p: call(p) for p in layers]))
+    return GraphTime(min(t.flushed for t in times), min(t.steady for t in times))
+
+
 def rotations(bytes_per_set: int) -> int:
     l2 = 0 if ARGS.smoke else torch.cuda.get_device_properties(0).L2_cache_size
     return max(1, min(16, math.ceil(4 * l2 / bytes_per_set)))
@@ -314,9 +363,11 @@ def sweep_configs(batch: int, d: int, fast_ok: bool) -> list[DecodeConfig]:
     return configs + ([replace(base, fast_unpack=False)] if fast_ok else [])
 
 
-def time_configs(batch: int, hq: int, heads: int, d: int, n_hist: int, configs, extras=None) -> tuple[list, list]:
+def time_configs(batch: int, hq: int, heads: int, d: int, n_hist: int, configs,
+                 extras=None) -> tuple[list, list, GraphTime]:
     """(:class:`GraphTime` of CUDA graphs over rotated input sets, eager ms of one call) per config; the queries
-    used. ``extras``: decode's keyword arguments (sinks, softcap)."""
+    used; and :func:`layout_read_time` over the same histories. ``extras``: decode's keyword arguments (sinks,
+    softcap)."""
     extras = extras or {}
     n_sets = rotations(packed_bytes(batch, hq, heads, d, n_hist))
     layers = [synthetic_packed(batch, heads, d, n_hist) for _ in range(n_sets)]
@@ -326,7 +377,7 @@ def time_configs(batch: int, hq: int, heads: int, d: int, n_hist: int, configs, 
         calls = [lambda q=q, packed=packed: decode(q, packed, None, None, config, **extras)
                  for q, packed in zip(queries, layers)]
         times.append((graph_time(calls), eager_time(calls[0])))
-    return times, queries
+    return times, queries, layout_read_time(layers, batch, configs[0])
 
 
 def sdpa_time(queries, batch: int, heads: int, context: int, d: int) -> dict[str, tuple[float, str]]:
@@ -366,7 +417,8 @@ def bench_decode(shape: str, batch: int, context: int, copy_gbps: float, fast_ok
         return []
     configs = sweep_configs(batch, d, fast_ok)
     extras = EXTRAS[shape](hq) if shape in EXTRAS else {}
-    times, queries = time_configs(batch, hq, heads, d, n_hist, configs, extras)
+    times, queries, layout_read = time_configs(batch, hq, heads, d, n_hist, configs, extras)
+    history_size = batch * heads * n_hist * (d * (ARGS.key_bits + 2) // 8 + 8)  # codes, scales and zeros
     sdpa = sdpa_time(queries, batch, heads, context, d)
     (sdpa_ms, sdpa_kind), (steady_sdpa_ms, steady_sdpa_kind) = sdpa["flushed"], sdpa["steady"]
     read = read_time(size)
@@ -387,6 +439,8 @@ def bench_decode(shape: str, batch: int, context: int, copy_gbps: float, fast_ok
                      "steady_sdpa_ms": steady_sdpa_ms, "steady_sdpa_kind": steady_sdpa_kind,
                      "steady_speedup_vs_sdpa": steady_sdpa_ms / steady_ms, "steady_read_ms": read.steady,
                      "steady_read_frac_copy_bw": size / (read.steady * 1e-3) / 1e9 / copy_gbps,
+                     "steady_layout_read_ms": layout_read.steady,
+                     "steady_layout_read_frac_copy_bw": history_size / (layout_read.steady * 1e-3) / 1e9 / copy_gbps,
                      "rotations": rotations(size), "extras": "+".join(extras) or "none", **clocks})
     for kernel_name in dict.fromkeys(r["history_kernel"] for r in rows):
         print_best([r for r in rows if r["history_kernel"] == kernel_name], clocks)
@@ -407,7 +461,8 @@ def print_best(rows: list[dict], clocks: dict) -> None:
           f"reg{best['max_registers']}/{'ptx' if best['fast_unpack'] else 'plain'}]  steady: "
           f"{best['steady_kernel_ms']:.4f} ms {100 * best['steady_frac_copy_bw']:5.1f}% copy sdpa "
           f"{best['steady_sdpa_ms']:.4f} ms x{best['steady_speedup_vs_sdpa']:5.2f} read-only "
-          f"{100 * best['steady_read_frac_copy_bw']:5.1f}%"
+          f"{100 * best['steady_read_frac_copy_bw']:5.1f}% history layout read-only "
+          f"{100 * best['steady_layout_read_frac_copy_bw']:5.1f}%"
           + (f"  SM {clocks['sm_mhz']} MHz, clock events {clocks['clock_events']}" if clocks else ""))
 
 
