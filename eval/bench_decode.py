@@ -19,7 +19,7 @@
    too, and the fraction of the copy bandwidth that a kernel which only reads the same bytes reaches
    (``read_frac_copy_bw``: the ceiling at that size, where launch and ramp-up weigh on a few microseconds of data),
    and the fraction that a kernel reading only the history's codes, scales and zeros with the decode's layout and
-   split pattern reaches (``steady_layout_read_frac_copy_bw``: the ceiling of that access pattern).
+   split pattern reaches (``steady_layout_read_frac_copy_bw``: the best of a few launch shapes).
 4. Times the write kernel on a 32K-token prefill of one layer (as the cache calls it: bf16 rows, centered in the
    kernel), and the layer's whole prefill update, against that layer's bf16 SDPA prefill (GPU time).
 5. Times a 4-token verify step (assisted decoding) over 32K and 128K tokens of one layer: the decode kernel with
@@ -131,7 +131,16 @@ def check_decode(fast_unpack: bool, history_kernel: str = "triton") -> bool:
         key, value = layer.update(kv[0, :, :, -1:], kv[1, :, :, -1:])
         query = torch.randn(2, 2 * groups, 1, d, device=DEVICE).to(dtype)
         config = replace(default_config(2, d), fast_unpack=fast_unpack, history_kernel=history_kernel)
-        got = decode(query, layer.packed(), mask, None, config).float()
+        launches = []
+        history = cuda_history.history
+        cuda_history.history = lambda *a: launches.append(1) or history(*a)
+        try:
+            got = decode(query, layer.packed(), mask, None, config).float()
+        finally:
+            cuda_history.history = history
+        if history_kernel == "cuda" and not launches:
+            print(f"  the CUDA history kernel did not serve D={d} g={groups} {dtype}")
+            return False
         want = torch_attend(Attn(groups), query, layer.packed(), key.new, value.new, mask, None).float()
         parts = {side: layer.materialize(side, dtype=torch.float32) for side in ("key", "value")}
         exact = torch.nn.functional.scaled_dot_product_attention(
@@ -303,14 +312,16 @@ def _layout_read_kernel(kc, vc, ks, kz, vs, vz, out_ptr, stride_kb, stride_kh, s
     tl.store(out_ptr + bh * tl.num_programs(1) + split, tl.sum(acc, axis=0))
 
 
-def layout_read_time(layers: list[PackedKV], batch: int, config: DecodeConfig) -> GraphTime:
-    """ms of the fastest :func:`_layout_read_kernel` over the layers' histories (the decode plan's splits, and twice
-    as many; 1 or 4 warps): what reading the history costs with the decode's layout and access pattern, at best."""
+def layout_read_time(layers: list[PackedKV], batch: int, configs: list[DecodeConfig]) -> GraphTime:
+    """ms of the fastest :func:`_layout_read_kernel` over the layers' histories, over the history splits of each
+    config's plan (one warp per program, as the decode's), and twice the first's and 4 warps: what reading the history
+    costs with the decode's layout and split pattern, the best of those launch shapes."""
     packed = layers[0]
     n_hist = packed.key.codes.shape[2]
-    hist_splits = plan(packed, batch, config=config)[0]
+    first = plan(packed, batch, config=configs[0])[0]
+    shapes = {(plan(packed, batch, config=c)[0], 1) for c in configs} | {(2 * first, 1), (first, 4)}
     times = []
-    for splits, warps in ((hist_splits, 1), (2 * hist_splits, 1), (hist_splits, 4)):
+    for splits, warps in sorted(shapes):
         out = torch.empty(batch * packed.heads * splits, dtype=torch.int32, device=DEVICE)
 
         def call(p, splits=splits, warps=warps, out=out):
@@ -318,7 +329,7 @@ def layout_read_time(layers: list[PackedKV], batch: int, config: DecodeConfig) -
             metas = [t.view(torch.int16) for t in (p.key.scale, p.key.zero, p.value.scale, p.value.zero)]
             _layout_read_kernel[(batch * p.heads, splits)](
                 kc, vc, *metas, out, *kc.stride()[:2], *vc.stride()[:2], *metas[0].stride()[:2], p.heads, n_hist,
-                splits, WK=kc.shape[-1], WV=vc.shape[-1], TN=config.block_n, num_warps=warps)
+                splits, WK=kc.shape[-1], WV=vc.shape[-1], TN=configs[0].block_n, num_warps=warps)
 
         times.append(graph_time([lambda p=p: call(p) for p in layers]))
     return GraphTime(min(t.flushed for t in times), min(t.steady for t in times))
@@ -333,11 +344,13 @@ def fits(nbytes: int) -> bool:
     return ARGS.smoke or nbytes < 0.8 * torch.cuda.mem_get_info()[0]
 
 
-def sweep_configs(batch: int, d: int, fast_ok: bool) -> list[DecodeConfig]:
-    """The default config, and with the CUDA history kernel where it can run (both timed in every run); --sweep: tile
-    configs of the Triton kernel, and programs per SM and stages of the CUDA one."""
+def sweep_configs(batch: int, d: int, fast_ok: bool, softcap: bool = False) -> list[DecodeConfig]:
+    """The default config, and with the CUDA history kernel where it can run (both timed in every run; not with
+    ``softcap``, which it does not serve); --sweep: tile configs of the Triton kernel, and programs per SM and stages
+    of the CUDA one."""
     base = replace(default_config(batch, d), fast_unpack=fast_ok)
-    cuda_runs = DEVICE == "cuda" and cuda_history.available(torch.device(DEVICE)) and d in cuda_history.HEAD_DIMS
+    cuda_runs = (DEVICE == "cuda" and cuda_history.available(torch.device(DEVICE)) and d in cuda_history.HEAD_DIMS
+                 and not softcap)
     kernels = ARGS.history_kernels.split(",")
     cuda_runs = cuda_runs and "cuda" in kernels
     with_cuda = [base] * ("triton" in kernels) + ([replace(cuda_config(batch, d), fast_unpack=fast_ok)]
@@ -377,7 +390,7 @@ def time_configs(batch: int, hq: int, heads: int, d: int, n_hist: int, configs,
         calls = [lambda q=q, packed=packed: decode(q, packed, None, None, config, **extras)
                  for q, packed in zip(queries, layers)]
         times.append((graph_time(calls), eager_time(calls[0])))
-    return times, queries, layout_read_time(layers, batch, configs[0])
+    return times, queries, layout_read_time(layers, batch, configs)
 
 
 def sdpa_time(queries, batch: int, heads: int, context: int, d: int) -> dict[str, tuple[float, str]]:
@@ -415,8 +428,11 @@ def bench_decode(shape: str, batch: int, context: int, copy_gbps: float, fast_ok
     if not fits(max(rotations(size) * size, rotations(sdpa_size) * sdpa_size) + (1 << 30)):
         print(f"{shape:16s} B={batch:<3d} T={context:<7d} skipped: does not fit in GPU memory")
         return []
-    configs = sweep_configs(batch, d, fast_ok)
     extras = EXTRAS[shape](hq) if shape in EXTRAS else {}
+    configs = sweep_configs(batch, d, fast_ok, "softcap" in extras)
+    if not configs:
+        print(f"{shape:16s} B={batch:<3d} T={context:<7d} skipped: no history kernel of --history-kernels runs here")
+        return []
     times, queries, layout_read = time_configs(batch, hq, heads, d, n_hist, configs, extras)
     history_size = batch * heads * n_hist * (d * (ARGS.key_bits + 2) // 8 + 8)  # codes, scales and zeros
     sdpa = sdpa_time(queries, batch, heads, context, d)

@@ -429,6 +429,14 @@ def test_hybrid_and_latent_attention_on_both_backends(family):
 
 
 # ------------------------------------------------------------------ the CUDA history kernel against the torch twin
+def cuda_history_runs() -> bool:
+    from oscar_hf.kernels.decode import cuda
+
+    return torch.cuda.is_available() and cuda.available(torch.device("cuda"))
+
+
+needs_cuda_history = pytest.mark.skipif(not cuda_history_runs(), reason="needs CUDA sm_80+ with NVRTC")
+
 CUDA_HISTORY_GRID = [  # batch, KV heads, GQA group, head_dim, history tokens, dtype, K bits, V bits, left pads
     (1, 2, 4, 128, 1000, torch.bfloat16, 2, 2, ()),
     (2, 2, 4, 128, 301, torch.bfloat16, 2, 2, (0, 9)),
@@ -436,6 +444,7 @@ CUDA_HISTORY_GRID = [  # batch, KV heads, GQA group, head_dim, history tokens, d
     (2, 2, 8, 128, 700, torch.float16, 4, 2, (0, 11)),
     (1, 2, 4, 128, 64, torch.bfloat16, 4, 4, ()),
     (2, 2, 2, 128, 1, torch.bfloat16, 2, 2, (0, 5)),
+    (2, 2, 3, 128, 200, torch.float16, 2, 4, (0, 7)),
     (2, 2, 4, 64, 1000, torch.bfloat16, 2, 2, (0, 40)),
     (1, 4, 8, 64, 257, torch.float16, 4, 2, ()),
     (2, 1, 3, 64, 129, torch.bfloat16, 2, 4, (0, 9)),
@@ -446,6 +455,16 @@ CUDA_HISTORY_GRID = [  # batch, KV heads, GQA group, head_dim, history tokens, d
 ]
 
 
+def counted_launches(monkeypatch) -> list:
+    """A list that grows by one per launch of the CUDA history kernel."""
+    from oscar_hf.kernels.decode import cuda
+
+    launches = []
+    monkeypatch.setattr(cuda, "history", lambda *a, _run=cuda.history: launches.append(1) or _run(*a))
+    return launches
+
+
+@needs_cuda_history
 @pytest.mark.parametrize("batch, heads, groups, dim, n_history, dtype, key_bits, value_bits, pads", CUDA_HISTORY_GRID,
                          ids=lambda v: str(v).replace("torch.", "") if not isinstance(v, tuple) else f"pads{len(v)}")
 @pytest.mark.parametrize("tiles", [None, 32], ids=["default-split", "tiny-splits"])
@@ -453,14 +472,11 @@ def test_cuda_history_kernel_equals_the_torch_twin(monkeypatch, batch, heads, gr
                                                    value_bits, pads, tiles):
     """The CUDA history programs (``DecodeConfig(history_kernel="cuda")``) against the torch twin and fp32, as the
     Triton kernel is checked: head_dim 64-256, GQA 1-8, batch 1-32, 2- and 4-bit K and V, awkward lengths (one token,
-    odd tails, a partial last tile), left padding that reaches into the history (the mask), one split per tile
-    (``tiles=32``: many splits, most of them a single tile) or the default plan; and the CUDA kernel did run."""
+    odd tails, a partial last tile), left padding that reaches into the history (the mask), the default plan (64-token
+    tiles) or one split per 32-token tile (many splits, most of them a single tile); and the CUDA kernel did run."""
     from test_kernels import check_decode
 
-    from oscar_hf.kernels.decode import cuda
-
-    launches = []
-    monkeypatch.setattr(cuda, "history", lambda *a, _run=cuda.history: launches.append(1) or _run(*a))
+    launches = counted_launches(monkeypatch)
     config = DecodeConfig(history_kernel="cuda")
     if tiles:
         config = DecodeConfig(history_kernel="cuda", block_n=tiles, min_split_bytes=1)
@@ -469,21 +485,28 @@ def test_cuda_history_kernel_equals_the_torch_twin(monkeypatch, batch, heads, gr
     assert launches, "the CUDA history kernel did not serve the call"
 
 
-def test_cuda_history_kernel_follows_a_rising_max_and_falls_back_where_it_does_not_serve(monkeypatch):
-    """The lazily rescaled running max moving mid-split (keys up to 25x larger along one split), and what it does not
-    serve (soft-capping, fp32, a tile it does not take, more shared memory than a block has) is said so."""
+@needs_cuda_history
+def test_cuda_history_kernel_follows_a_rising_max_and_leaves_what_it_does_not_serve_to_triton(monkeypatch):
+    """The lazily rescaled running max moving mid-split (keys up to 25x larger along one split) in the CUDA kernel;
+    a call it does not serve (a tile it does not take) warns, names why and is right through Triton's history
+    programs; and the reasons it gives for other calls."""
     from test_kernels import check_decode
 
     from oscar_hf.kernels.decode import cuda
 
+    launches = counted_launches(monkeypatch)
     config = DecodeConfig(history_kernel="cuda", block_n=32, min_split_bytes=1 << 30)
     for dtype in (torch.bfloat16, torch.float16):
         check_decode(1, 1, 4, 128, 1000, dtype, config=config, key_ramp=24.0, pads=(5,))
+    assert len(launches) == 2
+    with pytest.warns(RuntimeWarning, match="tiles of 128 tokens"):
+        check_decode(1, 2, 4, 128, 300, torch.bfloat16, config=DecodeConfig(history_kernel="cuda", block_n=128))
+    assert len(launches) == 2
     query = torch.randn(1, 4, 1, 128, device="cuda", dtype=torch.bfloat16)
-    layer_history = [torch.zeros(1, 1, 64, 32, dtype=torch.uint8, device="cuda"),
-                     *[torch.zeros(1, 1, 64, 1, dtype=torch.float16, device="cuda")] * 2] * 2
-    assert cuda.serves(query, layer_history, 2, 2, 128, None, 64, 3)
-    assert not cuda.serves(query, layer_history, 2, 2, 128, 50.0, 64, 3)
-    assert not cuda.serves(query.float(), layer_history, 2, 2, 128, None, 64, 3)
-    assert not cuda.serves(query, layer_history, 2, 2, 128, None, 128, 3)  # a tile it does not take
-    assert not cuda.serves(query, layer_history, 2, 2, 128, None, 64, 40)  # more shared memory than a block has
+    history = [torch.zeros(1, 1, 64, 32, dtype=torch.uint8, device="cuda"),
+               *[torch.zeros(1, 1, 64, 1, dtype=torch.float16, device="cuda")] * 2] * 2
+    assert cuda.unserved(query, query, history, 2, 2, 128, None, 64, 3) is None
+    assert cuda.unserved(query, query, history, 2, 2, 128, 50.0, 64, 3) == "logit soft-capping"
+    assert "float32" in cuda.unserved(query.float(), query.float(), history, 2, 2, 128, None, 64, 3)
+    assert "float32" in cuda.unserved(query, query.float(), history, 2, 2, 128, None, 64, 3)
+    assert "shared memory" in cuda.unserved(query, query, history, 2, 2, 128, None, 64, 40)

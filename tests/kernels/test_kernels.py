@@ -1162,17 +1162,17 @@ def test_dequantize_backend_falls_back_to_the_twin_where_the_kernel_cannot_serve
 
 
 def test_the_cuda_history_kernel_is_chosen_by_name_and_never_where_it_cannot_run():
-    """``DecodeConfig.history_kernel`` names a registered kernel (ValueError listing them otherwise); the CUDA one
-    serves nothing off CUDA (here: the interpreter's CPU tensors), so such a call runs Triton's history programs."""
+    """``DecodeConfig.history_kernel`` names a registered kernel (ValueError listing them otherwise); the CUDA kernel
+    names why it does not serve a call off CUDA, and a decode asking for it under the interpreter runs Triton's
+    history programs."""
     from oscar_hf.kernels.decode import cuda
 
     with pytest.raises(ValueError, match="history_kernel must be one of"):
         DecodeConfig(history_kernel="gluon")
     query = torch.randn(1, 4, 1, 128, dtype=torch.bfloat16)
     history = [torch.zeros(1, 1, 64, 32, dtype=torch.uint8), *[torch.zeros(1, 1, 64, 1, dtype=torch.float16)] * 2] * 2
-    assert not cuda.serves(query, history, 2, 2, 128, None, 64, 3)
-    # a block's shared memory: 4 one-warp programs, each a ring of stages of K and V codes and 4 scale/zero vectors
-    assert cuda.block_shared_memory(128, 2, 2, 64, 3) == 4 * 3 * (64 * 64 + 8 * 64)
-    assert cuda.block_shared_memory(256, 4, 4, 64, 4) > 227 * 1024  # past an H100's or H200's: Triton's serve
+    assert "needs CUDA" in cuda.unserved(query, query, history, 2, 2, 128, None, 64, 3)
+    assert cuda.unserved(query, query, history, 2, 2, 64, None, 64, 3) == "head_dim 128 with groups of 64 channels"
+    assert cuda.block_shared_memory(256, 4, 4, 64, 4) > 227 * 1024  # more than an H100's or H200's block has
     if DEVICE == "cpu":
         check_decode(1, 2, 4, 128, 70, torch.bfloat16, config=DecodeConfig(history_kernel="cuda"), pads=(3,))

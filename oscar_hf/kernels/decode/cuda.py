@@ -3,15 +3,17 @@ compiler that ships with PyTorch's CUDA builds: no toolkit needed) and launched 
 
 It computes what the Triton kernel's history programs compute (:func:`.triton._attend_codes`): per split of the
 history, a normalised partial output and its log-sum-exp, written into the same rows for stage 2 to merge. The Triton
-kernel stays the fallback and the CI-tested twin: :func:`serves` says where this one runs (CUDA sm_80+, one query
-token, per-token K and V of 2 or 4 bits with one fp16 scale and zero per token, head_dim 64/128/256, at most 8 query
-heads per KV head, no soft-capping), and ``tests/kernels/test_cuda.py`` compares both with the torch twin on a GPU.
+kernel stays the fallback and the CI-tested twin: :func:`unserved` says why this one does not run a call (it runs
+CUDA sm_80+, one query token, per-token K and V of 2 or 4 bits with one fp16 scale and zero per token, head_dim
+64/128/256, at most 8 query heads per KV head, no soft-capping), and ``tests/kernels/test_cuda.py`` compares both with
+the torch twin on a GPU. It is chosen by ``DecodeConfig(history_kernel="cuda")`` in a call of ``decode``.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import warnings
 from pathlib import Path
 
 import torch
@@ -19,7 +21,7 @@ import torch
 SOURCE = Path(__file__).with_name("history.cu")
 WARPS = 4  # one-warp programs per block (they share nothing but the block's shared memory)
 HEAD_DIMS = (64, 128, 256)
-TILES = (16, 32, 64)  # tokens per tile (DecodeConfig.block_n): a thread's scales and zeros are one vector load
+TILES = (32, 64)  # tokens per tile (DecodeConfig.block_n) that tests/kernels/test_cuda.py runs
 MAX_GROUP = 8  # query heads per KV head: the MMA's N
 _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
@@ -47,8 +49,16 @@ def available(device: torch.device) -> bool:
 
 
 def _check(result: int, what: str) -> None:
-    if result != 0:
-        raise RuntimeError(f"CUDA driver call {what} failed with error {result}")
+    """RuntimeError naming the call ``what`` (``nvrtc...`` or a driver call) and its error where ``result`` is one."""
+    if result == 0:
+        return
+    name = ctypes.c_char_p()
+    nvrtc, driver = _libraries()
+    if what.startswith("nvrtc"):
+        name = ctypes.CFUNCTYPE(ctypes.c_char_p, ctypes.c_int)(("nvrtcGetErrorString", nvrtc))(result)
+    elif driver.cuGetErrorName(result, ctypes.byref(name)) == 0:
+        name = name.value
+    raise RuntimeError(f"{what} failed with {name.decode() if isinstance(name, bytes) else result}")
 
 
 def stage_bytes(d: int, key_bits: int, value_bits: int, tile: int) -> int:
@@ -93,6 +103,20 @@ def _kernel(device_index: int, d: int, key_bits: int, value_bits: int, fp16: boo
     return function, shared
 
 
+@functools.cache
+def compiled(device_index: int, d: int, key_bits: int, value_bits: int, fp16: bool, tile: int, stages: int,
+             has_mask: bool) -> bool:
+    """Whether :func:`_kernel` builds and loads this configuration on the device (tried once; a failure warns once
+    and leaves the call to Triton's history programs)."""
+    try:
+        _kernel(device_index, d, key_bits, value_bits, fp16, tile, stages, has_mask)
+    except RuntimeError as error:
+        warnings.warn(f"the CUDA history kernel is unavailable here, Triton's history programs serve: {error}",
+                      RuntimeWarning, stacklevel=2)
+        return False
+    return True
+
+
 def _aligned(t: torch.Tensor, dims: int = 2) -> bool:
     """16-byte aligned data and strides (in bytes) over the first ``dims`` dimensions, contiguous rows."""
     size = t.element_size()
@@ -100,27 +124,35 @@ def _aligned(t: torch.Tensor, dims: int = 2) -> bool:
             and t.stride(-1) == 1 and t.stride(-2) == t.shape[-1])
 
 
-def serves(query: torch.Tensor, history: list[torch.Tensor], key_bits: int, value_bits: int, group: int,
-           softcap: float | None, tile: int, stages: int) -> bool:
-    """Whether the kernel serves the history programs of this call with ``tile``-token tiles over ``stages`` stages:
-    one query token in bf16/fp16 on CUDA sm_80+, head_dim 64/128/256, at most 8 query heads per KV head, 2- or 4-bit
-    K and V with one fp16 scale and zero per token, 16-byte aligned code rows and scale/zero blocks (a capacity of a
-    multiple of 8 tokens), no soft-capping, a tile in TILES and a block's stages within the GPU's shared memory."""
-    codes_k, scale_k = history[0], history[1]
-    d = query.shape[-1]
-    return (
-        query.shape[2] == 1
-        and query.dtype in (torch.bfloat16, torch.float16)
-        and d in HEAD_DIMS and group == d
-        and key_bits in (2, 4) and value_bits in (2, 4)
-        and query.shape[1] // codes_k.shape[1] <= MAX_GROUP
-        and softcap is None
-        and scale_k.dtype == torch.float16 and scale_k.shape[-1] == 1
-        and tile in TILES and stages >= 2
-        and all(_aligned(t) for t in history)
-        and available(query.device)
-        and block_shared_memory(d, key_bits, value_bits, tile, stages) <= _shared_memory_limit(query.device)
+def unserved(query: torch.Tensor, rotated_query: torch.Tensor, history: list[torch.Tensor], key_bits: int,
+             value_bits: int, group: int, softcap: float | None, tile: int, stages: int) -> str | None:
+    """None where the kernel serves the history programs of this call with ``tile``-token tiles over ``stages``
+    stages, else what keeps it from it. It serves one query token in bf16/fp16 (q and q·R_K alike) on CUDA sm_80+,
+    head_dim 64/128/256, at most 8 query heads per KV head, 2- or 4-bit K and V with one fp16 scale and zero per
+    token, 16-byte aligned code rows and scale/zero blocks (a capacity of a multiple of 8 tokens), no soft-capping, a
+    tile in TILES and a block's stages within the GPU's shared memory."""
+    d, heads = query.shape[-1], history[0].shape[1]
+    metas = history[1:3] + history[4:6]
+    checks = (
+        (query.shape[2] == 1, "several query tokens"),
+        (query.dtype in (torch.bfloat16, torch.float16) and rotated_query.dtype == query.dtype,
+         f"queries of {query.dtype} and {rotated_query.dtype}"),
+        (d in HEAD_DIMS and group == d, f"head_dim {d} with groups of {group} channels"),
+        (key_bits in (2, 4) and value_bits in (2, 4), f"{key_bits}-bit K and {value_bits}-bit V"),
+        (query.shape[1] // heads <= MAX_GROUP, f"{query.shape[1] // heads} query heads per KV head"),
+        (softcap is None, "logit soft-capping"),
+        (all(t.dtype == torch.float16 and t.shape[-1] == 1 for t in metas), "scales and zeros other than one fp16 "
+         "per token"),
+        (tile in TILES and stages >= 2, f"tiles of {tile} tokens over {stages} stages"),
+        (all(_aligned(t) for t in history) and history[0].shape[2] % 8 == 0, "storage not 16-byte aligned"),
+        (available(query.device), f"{query.device} (needs CUDA sm_80+ and NVRTC)"),
     )
+    for ok, reason in checks:
+        if not ok:
+            return reason
+    if block_shared_memory(d, key_bits, value_bits, tile, stages) > _shared_memory_limit(query.device):
+        return f"{stages} stages of {tile} tokens past a block's shared memory"
+    return None
 
 
 def _shared_memory_limit(device: torch.device) -> int:

@@ -4,7 +4,7 @@
 // (decode/triton.py): the partial output of each split, normalised, and its log-sum-exp (base 2, scaled).
 //
 // Compiled by NVRTC at first use, one module per configuration; the Python side prepends the constants:
-//   D, K_BITS, V_BITS, FP16 (0: bf16), TN (tokens per tile), STAGES, HAS_MASK.
+//   D, K_BITS, V_BITS, FP16 (0: bf16), TN (tokens per tile), STAGES, HAS_MASK, WARPS (programs per block).
 // No headers: bf16/fp16 values are 16-bit integers and every conversion is inline PTX.
 //
 // Layout. Per 16-token sub-tile (the MMA's M = 16 rows of tokens):

@@ -9,6 +9,7 @@ import torch
 
 from ..packed import PackedKV
 from ..utils import sm_count, triton_runs_on
+from .cuda import HEAD_DIMS as CUDA_HEAD_DIMS
 
 DTYPES = (torch.bfloat16, torch.float16)  # the kernel's query and window dtypes
 WINDOW_BLOCK = {64: 32, 128: 32, 256: 16, 512: 16}  # sink/recent tile rows per head_dim (shared memory < 40 KiB)
@@ -82,9 +83,11 @@ def default_config(batch: int, head_dim: int, query_len: int = 1) -> DecodeConfi
 
 
 def cuda_config(batch: int, head_dim: int) -> DecodeConfig:
-    """:func:`default_config` with the history programs in CUDA (:mod:`.cuda`): 16 programs per SM, with no fewer
-    where programs are short and no cap (from an H200 sweep of Qwen3-8B's shape at batches 1, 8 and 32, 32K and
-    128K tokens: the fastest or within 1% of it at every point)."""
+    """:func:`default_config` with the history programs in CUDA (:mod:`.cuda`) and their plan: 16 programs per SM, none
+    of the Triton plan's rules for short programs or its cap. Head dims the CUDA kernel does not take keep
+    :func:`default_config` (their calls run Triton's history programs)."""
+    if head_dim not in CUDA_HEAD_DIMS:
+        return default_config(batch, head_dim)
     return replace(default_config(batch, head_dim), history_kernel="cuda", programs_per_sm=16, min_program_tiles=0,
                    max_history_programs_per_sm=0.0)
 

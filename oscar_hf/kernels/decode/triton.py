@@ -26,6 +26,8 @@ The layout tricks and the measurements behind them are in ``docs/kernels/decode.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import triton
 import triton.language as tl
@@ -833,8 +835,16 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
     mu = (*center, *center[0].stride()[:2]) if center else (mask, mask, 0, 0)
     # the history programs in CUDA where asked for and served: then Triton's grid holds the window programs only
     stages = max(cfg.num_stages, 2)
-    cuda_history = (cfg.history_kernel == "cuda" and not interpreting and hist_splits > 0
-                    and cuda.serves(query, history, key_bits, value_bits, group, softcap, cfg.block_n, stages))
+    cuda_history = cfg.history_kernel == "cuda" and not interpreting and hist_splits > 0
+    if cuda_history:
+        reason = cuda.unserved(query, rotated_query, history, key_bits, value_bits, group, softcap, cfg.block_n,
+                               stages)
+        if reason is not None:
+            warnings.warn(f"the CUDA history kernel does not serve this call ({reason}); Triton's history programs "
+                          "do", RuntimeWarning, stacklevel=3)
+        cuda_history = reason is None and cuda.compiled(query.device.index, d, key_bits, value_bits,
+                                                       query.dtype == torch.float16, cfg.block_n, stages,
+                                                       attention_mask is not None)
     with on_device_of(query):
         _decode_stage1_kernel[(batch * heads, total - hist_splits if cuda_history else total)](
             query, *query.stride()[:3], rotated_query, *rotated_query.stride()[:3],
