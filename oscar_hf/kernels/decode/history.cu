@@ -57,6 +57,14 @@ __device__ __forceinline__ u32 unpack2(u32 x, u32 mask) {  // (x & mask) | magic
     return d;
 }
 
+// Position p of the codes of a 32-bit word (two halfwords, BITS-bit codes) as a dot operand: two values M + c.f
+template <int BITS>
+__device__ __forceinline__ u32 operand(u32 word, int p) {
+    constexpr int PER = MANTISSA / BITS;  // positions one shift serves
+    const u32 bits = ((1u << BITS) - 1) << (p % PER * BITS);
+    return unpack2(word >> (p / PER * PER * BITS), bits * 0x10001u);
+}
+
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
     u32 d;
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
@@ -213,10 +221,8 @@ __device__ __forceinline__ void attend_tile(State& st, const unsigned char* stag
 #pragma unroll
             for (int slot = 0; slot < 2; ++slot) {
                 const int pi = 2 * ksi + slot, wi = pi / NPOS_K, p = pi % NPOS_K;
-                const int shift = p / PER_K * PER_K * K_BITS;
-                const u32 bits = ((1u << K_BITS) - 1) << (p % PER_K * K_BITS);
-                a[2 * slot] = unpack2(kw[sub][0][wi] >> shift, bits * 0x10001u);
-                a[2 * slot + 1] = unpack2(kw[sub][1][wi] >> shift, bits * 0x10001u);
+                a[2 * slot] = operand<K_BITS>(kw[sub][0][wi], p);
+                a[2 * slot + 1] = operand<K_BITS>(kw[sub][1][wi], p);
             }
             mma(l[sub], a[0], a[1], a[2], a[3], qb[ksi][0], qb[ksi][1]);
         }
@@ -327,10 +333,8 @@ __device__ __forceinline__ void attend_tile(State& st, const unsigned char* stag
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int sl = 2 * mt + half, hw = sl / NPOS_V, p = sl % NPOS_V;
-                const int shift = p / PER_V * PER_V * V_BITS;
-                const u32 bits = ((1u << V_BITS) - 1) << (p % PER_V * V_BITS);
-                a[half] = unpack2(va[sub][hw] >> shift, bits * 0x10001u);      // channel row gid (+8), k 2tig..
-                a[2 + half] = unpack2(vb[sub][hw] >> shift, bits * 0x10001u);  // k 2tig + 8 ..
+                a[half] = operand<V_BITS>(va[sub][hw], p);      // channel row gid (+8), k 2tig..
+                a[2 + half] = operand<V_BITS>(vb[sub][hw], p);  // k 2tig + 8 ..
             }
             mma(st.o[mt], a[0], a[1], a[2], a[3], pb[sub][0], pb[sub][1]);
         }
