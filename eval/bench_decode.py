@@ -67,7 +67,11 @@ def parse_args():
     p.add_argument("--history-kernels", default="triton,cuda",
                    help="comma-separated history kernels to time (cuda: where it can run)")
     p.add_argument("--out", default="eval/results", help="folder for the CSV")
-    return p.parse_args()
+    args = p.parse_args()
+    unknown = set(args.history_kernels.split(",")) - {"triton", "cuda"}
+    if unknown:
+        p.error(f"unknown --history-kernels {sorted(unknown)}; known: cuda, triton")
+    return args
 
 
 ARGS = parse_args()
@@ -318,8 +322,8 @@ def layout_read_time(layers: list[PackedKV], batch: int, configs: list[DecodeCon
     costs with the decode's layout and split pattern, the best of those launch shapes."""
     packed = layers[0]
     n_hist = packed.key.codes.shape[2]
-    first = plan(packed, batch, config=configs[0])[0]
-    shapes = {(plan(packed, batch, config=c)[0], 1) for c in configs} | {(2 * first, 1), (first, 4)}
+    planned = [plan(packed, batch, config=c)[0] for c in configs]
+    shapes = {(s, 1) for s in planned} | {(2 * planned[0], 1), (planned[0], 4)}
     times = []
     for splits, warps in sorted(shapes):
         out = torch.empty(batch * packed.heads * splits, dtype=torch.int32, device=DEVICE)

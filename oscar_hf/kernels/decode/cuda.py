@@ -132,24 +132,26 @@ def unserved(query: torch.Tensor, rotated_query: torch.Tensor, history: list[tor
     token, 16-byte aligned code rows and scale/zero blocks (a capacity of a multiple of 8 tokens), no soft-capping, a
     tile in TILES and a block's stages within the GPU's shared memory."""
     d, heads = query.shape[-1], history[0].shape[1]
-    metas = history[1:3] + history[4:6]
-    checks = (
-        (query.shape[2] == 1, "several query tokens"),
-        (query.dtype in (torch.bfloat16, torch.float16) and rotated_query.dtype == query.dtype,
-         f"queries of {query.dtype} and {rotated_query.dtype}"),
-        (d in HEAD_DIMS and group == d, f"head_dim {d} with groups of {group} channels"),
-        (key_bits in (2, 4) and value_bits in (2, 4), f"{key_bits}-bit K and {value_bits}-bit V"),
-        (query.shape[1] // heads <= MAX_GROUP, f"{query.shape[1] // heads} query heads per KV head"),
-        (softcap is None, "logit soft-capping"),
-        (all(t.dtype == torch.float16 and t.shape[-1] == 1 for t in metas), "scales and zeros other than one fp16 "
-         "per token"),
-        (tile in TILES and stages >= 2, f"tiles of {tile} tokens over {stages} stages"),
-        (all(_aligned(t) for t in history) and history[0].shape[2] % 8 == 0, "storage not 16-byte aligned"),
-        (available(query.device), f"{query.device} (needs CUDA sm_80+ and NVRTC)"),
-    )
-    for ok, reason in checks:
-        if not ok:
-            return reason
+    if query.shape[2] != 1:
+        return "several query tokens"
+    if query.dtype not in (torch.bfloat16, torch.float16) or rotated_query.dtype != query.dtype:
+        return f"queries of {query.dtype} and {rotated_query.dtype}"
+    if d not in HEAD_DIMS or group != d:
+        return f"head_dim {d} with groups of {group} channels"
+    if key_bits not in (2, 4) or value_bits not in (2, 4):
+        return f"{key_bits}-bit K and {value_bits}-bit V"
+    if query.shape[1] // heads > MAX_GROUP:
+        return f"{query.shape[1] // heads} query heads per KV head"
+    if softcap is not None:
+        return "logit soft-capping"
+    if any(t.dtype != torch.float16 or t.shape[-1] != 1 for t in history[1:3] + history[4:6]):
+        return "scales and zeros other than one fp16 per token"
+    if tile not in TILES or stages < 2:
+        return f"tiles of {tile} tokens over {stages} stages"
+    if not all(_aligned(t) for t in history) or history[0].shape[2] % 8:
+        return "storage not 16-byte aligned"
+    if not available(query.device):
+        return f"{query.device} (needs CUDA sm_80+ and NVRTC)"
     if block_shared_memory(d, key_bits, value_bits, tile, stages) > _shared_memory_limit(query.device):
         return f"{stages} stages of {tile} tokens past a block's shared memory"
     return None
