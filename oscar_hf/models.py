@@ -149,14 +149,23 @@ def pypi_model_folder(name: str, cache_dir: str | os.PathLike | None = None) -> 
     It lives under `cache_dir` (default: `$OSCAR_HF_CACHE`, else `~/.cache/oscar_hf`); the first call makes it
     (download and conversion, about a minute), later calls find it offline.
     """
+    folder = _converted_folder(name, cache_dir)
+    if not folder.is_dir():
+        _convert(PYPI_MODELS[name], folder)
+    return folder
+
+
+def pypi_model_converted(name: str, cache_dir: str | os.PathLike | None = None) -> bool:
+    """Whether :func:`pypi_model_folder` finds the model converted already (no download, no conversion)."""
+    return _converted_folder(name, cache_dir).is_dir()
+
+
+def _converted_folder(name: str, cache_dir: str | os.PathLike | None) -> Path:
     if name not in PYPI_MODELS:
         raise ValueError(f"unknown PyPI-shipped model {name!r}; known: {sorted(PYPI_MODELS)}")
     source = PYPI_MODELS[name]
     root = cache_dir or os.environ.get("OSCAR_HF_CACHE") or Path.home() / ".cache" / "oscar_hf"
-    folder = Path(root).expanduser() / f"{source.cache_name}-{source.parts[0].sha256[:12]}"
-    if not folder.is_dir():
-        _convert(source, folder)
-    return folder
+    return Path(root).expanduser() / f"{source.cache_name}-{source.parts[0].sha256[:12]}"
 
 
 def load_pypi_model(

@@ -10,6 +10,7 @@ import torch
 import transformers
 from helpers import austen, build_family, char_tokenizer, make_model
 
+import oscar_hf
 from oscar_hf import OscarConfig, OscarQuantizedCache, cache_kwargs, rotations_for_model
 from oscar_hf import autocalibrate as auto
 from oscar_hf.calibrate import calibration_token_ids, token_chunks
@@ -76,7 +77,8 @@ def test_no_bundle_calibrates_once_into_the_hf_cache_and_reuses_it(model_dir, hf
     torch.testing.assert_close(again.key_rotation, cache.rotations.key_rotation, rtol=0, atol=0)
 
 
-def test_the_key_follows_config_revision_text_and_budget_but_not_dtype(model_dir, hf_home, calibrations):
+def test_the_key_follows_config_revision_text_budget_and_release_but_not_dtype(model_dir, hf_home, calibrations,
+                                                                              monkeypatch):
     tokenizer = char_tokenizer()
     base = load(model_dir)
     rotations_for_model(base, tokenizer)
@@ -91,8 +93,11 @@ def test_the_key_follows_config_revision_text_and_budget_but_not_dtype(model_dir
     rotations_for_model(load(model_dir), tokenizer, [austen(4000)[1000:]])  # other text
     rotations_for_model(load(model_dir), tokenizer, num_tokens=BUDGET // 2)  # another budget
     assert len(calibrations) == 5
+    monkeypatch.setattr(oscar_hf, "__version__", "99.0.0")  # another release calibrates again
+    rotations_for_model(load(model_dir), tokenizer)
+    assert len(calibrations) == 6
     folders = bundles(hf_home)
-    assert len(folders) == 5 and {f.parent.name for f in folders} == {Path(model_dir).name}
+    assert len(folders) == 6 and {f.parent.name for f in folders} == {Path(model_dir).name}
     assert sum(f.name.startswith("0123abcd") for f in folders) == 1
 
 
