@@ -243,6 +243,9 @@ def cmd_info(args) -> None:
         print(f"bits per element at {length // 1024}K tokens: {', '.join(bits)}")
     if rotations.diagnostics:
         print(format_table(rotations.diagnostics))
+    else:
+        print("no per-layer diagnostics in the bundle (calibrated without held-out tokens: oscar-hf calibrate "
+              "--diagnostic-tokens N measures them)")
 
 
 DATA_FREE = ("hadamard", "identity")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import austen
+from helpers import austen, make_model
 
 from oscar_hf import OscarConfig, OscarRotations, autocalibrate, calibrate, cli, load_recipe
 from oscar_hf.calibrate import EIGEN_ORDERS, K_TARGETS, V_TARGETS
@@ -126,6 +126,15 @@ def test_info(bundle_dir, capsys):
         assert f"bits per element at {label} tokens: {OscarConfig().bits_per_element(64, length):.3f}" in out
     assert "score_kl" in out and "k_clip_rate" in out
     assert len([line for line in out.splitlines() if line.split()[:1] in (["0"], ["1"], ["mean"])]) == 3
+    assert "no per-layer diagnostics" not in out
+
+
+def test_info_says_when_a_bundle_has_no_diagnostics(tmp_path, capsys):
+    OscarRotations.hadamard(make_model("llama-mha-d64").config).save_pretrained(tmp_path / "hadamard")
+    main(["info", str(tmp_path / "hadamard")])
+    out = capsys.readouterr().out
+    assert "no per-layer diagnostics in the bundle" in out and "--diagnostic-tokens" in out
+    assert "score_kl" not in out
 
 
 def test_generate_prints_both_caches(model_dir, bundle_dir, capsys):
