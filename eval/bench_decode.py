@@ -182,11 +182,14 @@ def synthetic_packed(batch: int, heads: int, d: int, n_hist: int, dtype=torch.bf
     return packed
 
 
+def history_bytes(batch: int, heads: int, d: int, n_hist: int) -> int:
+    """The history's K and V codes and their fp16 scales and zeros (one each per token)."""
+    return batch * heads * n_hist * (d * (ARGS.key_bits + 2) // 8 + 8)
+
+
 def packed_bytes(batch: int, hq: int, heads: int, d: int, n_hist: int) -> int:
-    codes = batch * heads * n_hist * d * (ARGS.key_bits + 2) // 8
-    meta = 2 * 2 * batch * heads * n_hist * 2
     windows = 2 * batch * heads * (SINK + RECENT) * d * 2
-    return codes + meta + windows + batch * hq * d * 2
+    return history_bytes(batch, heads, d, n_hist) + windows + batch * hq * d * 2
 
 
 # ------------------------------------------------------------------------------------------------- timing
@@ -438,7 +441,7 @@ def bench_decode(shape: str, batch: int, context: int, copy_gbps: float, fast_ok
         print(f"{shape:16s} B={batch:<3d} T={context:<7d} skipped: no history kernel of --history-kernels runs here")
         return []
     times, queries, layout_read = time_configs(batch, hq, heads, d, n_hist, configs, extras)
-    history_size = batch * heads * n_hist * (d * (ARGS.key_bits + 2) // 8 + 8)  # codes, scales and zeros
+    history_size = history_bytes(batch, heads, d, n_hist)
     sdpa = sdpa_time(queries, batch, heads, context, d)
     (sdpa_ms, sdpa_kind), (steady_sdpa_ms, steady_sdpa_kind) = sdpa["flushed"], sdpa["steady"]
     read = read_time(size)

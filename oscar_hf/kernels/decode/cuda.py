@@ -52,13 +52,14 @@ def _check(result: int, what: str) -> None:
     """RuntimeError naming the call ``what`` (``nvrtc...`` or a driver call) and its error where ``result`` is one."""
     if result == 0:
         return
-    name = ctypes.c_char_p()
     nvrtc, driver = _libraries()
+    name = ctypes.c_char_p()
     if what.startswith("nvrtc"):
-        name = ctypes.CFUNCTYPE(ctypes.c_char_p, ctypes.c_int)(("nvrtcGetErrorString", nvrtc))(result)
-    elif driver.cuGetErrorName(result, ctypes.byref(name)) == 0:
-        name = name.value
-    raise RuntimeError(f"{what} failed with {name.decode() if isinstance(name, bytes) else result}")
+        nvrtc.nvrtcGetErrorString.restype = ctypes.c_char_p
+        name.value = nvrtc.nvrtcGetErrorString(result)
+    elif driver.cuGetErrorName(result, ctypes.byref(name)) != 0:
+        name.value = None
+    raise RuntimeError(f"{what} failed with {name.value.decode() if name.value else result}")
 
 
 def stage_bytes(d: int, key_bits: int, value_bits: int, tile: int) -> int:
