@@ -39,6 +39,18 @@ def test_every_subpackage_is_listed_in_pyproject():
     assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages"
 
 
+def test_the_version_has_one_source():
+    """pyproject reads oscar_hf.__version__ (it keys the rotations made on demand); CITATION.cff and the installed
+    metadata say the same."""
+    import importlib.metadata
+
+    import oscar_hf
+
+    assert "version" in PYPROJECT["dynamic"] and "version" not in PYPROJECT
+    citation = re.search(r"^version: (\S+)$", (ROOT / "CITATION.cff").read_text(), re.M).group(1)
+    assert citation == oscar_hf.__version__ == importlib.metadata.version("oscar-hf")
+
+
 def test_readme_commands():
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()

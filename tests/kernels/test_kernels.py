@@ -1161,6 +1161,30 @@ def test_dequantize_backend_falls_back_to_the_twin_where_the_kernel_cannot_serve
     assert torch.equal(got, want)
 
 
+def test_cuda_library_errors_name_the_call_and_the_error(monkeypatch):
+    """An NVRTC or driver failure raises a RuntimeError naming the call and the library's error name, or its number
+    where the driver cannot name it (stand-in libraries: the real ones need CUDA)."""
+    import types
+
+    from oscar_hf.kernels.decode import cuda
+
+    def driver_name(result, name_ref):
+        if result == 700:
+            name_ref._obj.value = b"CUDA_ERROR_ILLEGAL_ADDRESS"
+            return 0
+        return 1  # CUDA_ERROR_INVALID_VALUE: no name for that number
+
+    nvrtc = types.SimpleNamespace(nvrtcGetErrorString=lambda result: b"NVRTC_ERROR_COMPILATION")
+    monkeypatch.setattr(cuda, "_libraries", lambda: (nvrtc, types.SimpleNamespace(cuGetErrorName=driver_name)))
+    cuda._check(0, "cuLaunchKernel")  # success raises nothing
+    with pytest.raises(RuntimeError, match="nvrtcCompileProgram failed with NVRTC_ERROR_COMPILATION"):
+        cuda._check(6, "nvrtcCompileProgram")
+    with pytest.raises(RuntimeError, match="cuLaunchKernel failed with CUDA_ERROR_ILLEGAL_ADDRESS"):
+        cuda._check(700, "cuLaunchKernel")
+    with pytest.raises(RuntimeError, match="cuModuleLoadData failed with 999$"):
+        cuda._check(999, "cuModuleLoadData")
+
+
 def test_the_cuda_history_kernel_is_chosen_by_name_and_never_where_it_cannot_run():
     """``DecodeConfig.history_kernel`` names a registered kernel (ValueError listing them otherwise); the CUDA kernel
     names why it does not serve a call off CUDA, and a decode asking for it under the interpreter runs Triton's
