@@ -1,25 +1,22 @@
-"""Decode-attention and write-kernel benchmark of the Triton backend (and the CUDA history kernel) on one CUDA GPU.
+"""Decode-attention and write-kernel benchmark of the Triton backend on one CUDA GPU.
 
-    PYTHONPATH=. python eval/bench_decode.py [--quick] [--sweep] [--shapes qwen3-8b,...] [--key-bits 4]
-                                             [--history-kernels triton,cuda] [--out DIR]
+    PYTHONPATH=. python eval/bench_decode.py [--quick] [--sweep] [--shapes qwen3-8b,...] [--key-bits 4] [--out DIR]
     PYTHONPATH=. python eval/bench_decode.py --smoke          # CPU, TRITON_INTERPRET=1, tiny shapes, no timings
 
 1. Checks both kernels against their torch oracles (write: bit-identical; decode: as close to an fp32 reference
-   as the torch twin), for the inline-PTX and the plain unpacking, and the decode with the CUDA history kernel;
-   aborts if neither unpacking is right, or the CUDA one is wrong.
+   as the torch twin), for the inline-PTX and the plain unpacking; aborts if neither unpacking is right.
 2. Measures the device copy bandwidth (a large device-to-device copy, bytes read + written).
-3. Times the decode kernel over T x batch x shape, with Triton's history programs and with the CUDA ones
-   (``launch.cuda_config``, where they can run; ``--history-kernels`` picks), from CUDA graphs that run the call on
-   several rotated input sets (more bytes than the L2 cache; no Python launch overhead), two ways
-   (:class:`GraphTime`): each replay after triton.testing.do_bench's L2 flush (median; the flush's dirty lines and
-   the replay's launch weigh on short calls), and replays back to back (``steady_*`` columns), as calls run within a
-   decode step's graph. It reports GB/s over the packed bytes read (codes + scales/zeros + sink/recent windows + q),
-   the fraction of the copy bandwidth, and the speedup over bf16 torch SDPA decode (same context and GQA, query heads
-   packed per KV head; the same timing). The eager time of one call (Python launch overhead included) is reported
-   too, and the fraction of the copy bandwidth that a kernel which only reads the same bytes reaches
-   (``read_frac_copy_bw``: the ceiling at that size, where launch and ramp-up weigh on a few microseconds of data),
-   and the fraction that a kernel reading only the history's codes, scales and zeros with the decode's layout and
-   split pattern reaches (``steady_layout_read_frac_copy_bw``: the best of a few launch shapes).
+3. Times the decode kernel over T x batch x shape, from CUDA graphs that run the call on several rotated input sets
+   (more bytes than the L2 cache; no Python launch overhead), two ways (:class:`GraphTime`): each replay after
+   triton.testing.do_bench's L2 flush (median; the flush's dirty lines and the replay's launch weigh on short
+   calls), and replays back to back (``steady_*`` columns), as calls run within a decode step's graph. It reports
+   GB/s over the packed bytes read (codes + scales/zeros + sink/recent windows + q), the fraction of the copy
+   bandwidth, and the speedup over bf16 torch SDPA decode (same context and GQA, query heads packed per KV head; the
+   same timing). The eager time of one call (Python launch overhead included) is reported too, and the fraction of
+   the copy bandwidth that a kernel which only reads the same bytes reaches (``read_frac_copy_bw``: the ceiling at
+   that size, where launch and ramp-up weigh on a few microseconds of data), and the fraction that a kernel reading
+   only the history's codes, scales and zeros with the decode's layout and split pattern reaches
+   (``steady_layout_read_frac_copy_bw``: the best of a few launch shapes).
 4. Times the write kernel on a 32K-token prefill of one layer (as the cache calls it: bf16 rows, centered in the
    kernel), and the layer's whole prefill update, against that layer's bf16 SDPA prefill (GPU time).
 5. Times a 4-token verify step (assisted decoding) over 32K and 128K tokens of one layer: the decode kernel with
@@ -64,14 +61,8 @@ def parse_args():
     p.add_argument("--smoke", action="store_true", help="CPU/TRITON_INTERPRET=1 run of the whole script, tiny shapes")
     p.add_argument("--shapes", default=None, help="comma-separated subset of the grid's shapes")
     p.add_argument("--key-bits", type=int, choices=(2, 4), default=2, help="K's bits (V's are 2)")
-    p.add_argument("--history-kernels", default="triton,cuda",
-                   help="comma-separated history kernels to time (cuda: where it can run)")
     p.add_argument("--out", default="eval/results", help="folder for the CSV")
-    args = p.parse_args()
-    unknown = set(args.history_kernels.split(",")) - {"triton", "cuda"}
-    if unknown:
-        p.error(f"unknown --history-kernels {sorted(unknown)}; known: cuda, triton")
-    return args
+    return p.parse_args()
 
 
 ARGS = parse_args()
@@ -85,8 +76,7 @@ import triton.language as tl  # noqa: E402
 from oscar_hf import DynamicOscarLayer, OscarConfig  # noqa: E402
 from oscar_hf.evaluation.environment import device_slug, environment, gpu_state  # noqa: E402
 from oscar_hf.kernels import PackedKV, quantize_kv  # noqa: E402
-from oscar_hf.kernels.decode import cuda as cuda_history  # noqa: E402
-from oscar_hf.kernels.decode.launch import DecodeConfig, cuda_config, default_config, plan  # noqa: E402
+from oscar_hf.kernels.decode.launch import DecodeConfig, default_config, plan  # noqa: E402
 from oscar_hf.kernels.decode.reference import attend as torch_attend  # noqa: E402
 from oscar_hf.kernels.decode.triton import decode  # noqa: E402
 from oscar_hf.kernels.dequantize.triton import fill_history  # noqa: E402
@@ -120,9 +110,8 @@ def check_write() -> None:
     print("write kernel: bit-identical to quantizer.quantize")
 
 
-def check_decode(fast_unpack: bool, history_kernel: str = "triton") -> bool:
-    """Real layers (prefill + one decode step through the triton writer, left padding) vs the torch twin, with the
-    history programs of ``history_kernel``."""
+def check_decode(fast_unpack: bool) -> bool:
+    """Real layers (prefill + one decode step through the triton writer, left padding) vs the torch twin."""
     cases = ((4, 128, torch.bfloat16, 700), (4, 64, torch.float16, 300), (8, 256, torch.bfloat16, 90))
     for groups, d, dtype, n in cases[:1] if ARGS.smoke or ARGS.quick else cases:
         cfg = OscarConfig(sink_tokens=8, recent_tokens=16, flush_tokens=4, key_bits=ARGS.key_bits, backend="triton")
@@ -134,17 +123,8 @@ def check_decode(fast_unpack: bool, history_kernel: str = "triton") -> bool:
         layer.update(kv[0, :, :, :-1], kv[1, :, :, :-1])
         key, value = layer.update(kv[0, :, :, -1:], kv[1, :, :, -1:])
         query = torch.randn(2, 2 * groups, 1, d, device=DEVICE).to(dtype)
-        config = replace(default_config(2, d), fast_unpack=fast_unpack, history_kernel=history_kernel)
-        launches = []
-        history = cuda_history.history
-        cuda_history.history = lambda *a: launches.append(1) or history(*a)
-        try:
-            got = decode(query, layer.packed(), mask, None, config).float()
-        finally:
-            cuda_history.history = history
-        if history_kernel == "cuda" and not launches:
-            print(f"  the CUDA history kernel did not serve D={d} g={groups} {dtype}")
-            return False
+        config = replace(default_config(2, d), fast_unpack=fast_unpack)
+        got = decode(query, layer.packed(), mask, None, config).float()
         want = torch_attend(Attn(groups), query, layer.packed(), key.new, value.new, mask, None).float()
         parts = {side: layer.materialize(side, dtype=torch.float32) for side in ("key", "value")}
         exact = torch.nn.functional.scaled_dot_product_attention(
@@ -351,32 +331,19 @@ def fits(nbytes: int) -> bool:
     return ARGS.smoke or nbytes < 0.8 * torch.cuda.mem_get_info()[0]
 
 
-def sweep_configs(batch: int, d: int, fast_ok: bool, softcap: bool = False) -> list[DecodeConfig]:
-    """The default config, and with the CUDA history kernel where it can run (both timed in every run; not with
-    ``softcap``, which it does not serve); --sweep: tile configs of the Triton kernel, and programs per SM and stages
-    of the CUDA one."""
+def sweep_configs(batch: int, d: int, fast_ok: bool) -> list[DecodeConfig]:
+    """The default config; --sweep: tile configs, programs per SM, register caps and the plain unpacking too."""
     base = replace(default_config(batch, d), fast_unpack=fast_ok)
-    cuda_runs = (DEVICE == "cuda" and cuda_history.available(torch.device(DEVICE)) and d in cuda_history.HEAD_DIMS
-                 and not softcap)
-    kernels = ARGS.history_kernels.split(",")
-    cuda_runs = cuda_runs and "cuda" in kernels
-    with_cuda = [base] * ("triton" in kernels) + ([replace(cuda_config(batch, d), fast_unpack=fast_ok)]
-                                                  if cuda_runs else [])
     if not ARGS.sweep:
-        return with_cuda
-    if cuda_runs:
-        with_cuda += [replace(with_cuda[-1], programs_per_sm=p, num_stages=s)
-                      for p, s in ((12, 3), (12, 4), (16, 4), (20, 3), (24, 2), (8, 6))]
-    if "triton" not in kernels:
-        return with_cuda
+        return [base]
     tiles = {  # (block_n, warps, stages)
         64: [(64, 1, 3), (128, 1, 3), (128, 1, 2), (64, 1, 4), (64, 2, 3)],
         128: [(64, 1, 3), (128, 1, 3), (32, 1, 3), (64, 1, 2), (64, 1, 4), (64, 2, 3)],
         256: [(32, 1, 3), (16, 1, 3), (64, 1, 3), (32, 1, 2), (32, 1, 4), (32, 2, 3)],
         512: [(32, 4, 2), (32, 2, 2), (64, 4, 2), (64, 2, 2), (16, 2, 2), (32, 4, 3)],
     }[d]
-    configs = with_cuda + [replace(base, block_n=n, num_warps=w, num_stages=s) for n, w, s in tiles
-                           if (n, w, s) != (base.block_n, base.num_warps, base.num_stages)]
+    configs = [base] + [replace(base, block_n=n, num_warps=w, num_stages=s) for n, w, s in tiles
+                        if (n, w, s) != (base.block_n, base.num_warps, base.num_stages)]
     configs += [replace(base, programs_per_sm=p, min_program_tiles=0) for p in ((2, 3, 6) if d > 256 else
                                                                                  (8, 10, 12, 24))]
     configs += [replace(base, max_registers=r) for r in (None, 168, 128) if r != base.max_registers]
@@ -436,10 +403,7 @@ def bench_decode(shape: str, batch: int, context: int, copy_gbps: float, fast_ok
         print(f"{shape:16s} B={batch:<3d} T={context:<7d} skipped: does not fit in GPU memory")
         return []
     extras = EXTRAS[shape](hq) if shape in EXTRAS else {}
-    configs = sweep_configs(batch, d, fast_ok, "softcap" in extras)
-    if not configs:
-        print(f"{shape:16s} B={batch:<3d} T={context:<7d} skipped: no history kernel of --history-kernels runs here")
-        return []
+    configs = sweep_configs(batch, d, fast_ok)
     times, queries, layout_read = time_configs(batch, hq, heads, d, n_hist, configs, extras)
     history_size = history_bytes(batch, heads, d, n_hist)
     sdpa = sdpa_time(queries, batch, heads, context, d)
@@ -453,7 +417,7 @@ def bench_decode(shape: str, batch: int, context: int, copy_gbps: float, fast_ok
         rows.append({"shape": shape, "hq": hq, "hkv": heads, "d": d, "batch": batch, "T": context, "n_hist": n_hist,
                      "block_n": c.block_n, "warps": c.num_warps, "stages": c.num_stages, "pps": c.programs_per_sm,
                      "min_program_tiles": c.min_program_tiles, "max_registers": c.max_registers,
-                     "fast_unpack": c.fast_unpack, "history_kernel": c.history_kernel, "kernel_ms": kernel_ms,
+                     "fast_unpack": c.fast_unpack, "kernel_ms": kernel_ms,
                      "eager_ms": eager_ms, "GBps": gbps,
                      "frac_copy_bw": gbps / copy_gbps, "sdpa_ms": sdpa_ms, "sdpa_kind": sdpa_kind,
                      "sdpa_GBps": sdpa_size / (sdpa_ms * 1e-3) / 1e9, "speedup_vs_sdpa": sdpa_ms / kernel_ms,
@@ -465,17 +429,16 @@ def bench_decode(shape: str, batch: int, context: int, copy_gbps: float, fast_ok
                      "steady_layout_read_ms": layout_read.steady,
                      "steady_layout_read_frac_copy_bw": history_size / (layout_read.steady * 1e-3) / 1e9 / copy_gbps,
                      "rotations": rotations(size), "extras": "+".join(extras) or "none", **clocks})
-    for kernel_name in dict.fromkeys(r["history_kernel"] for r in rows):
-        print_best([r for r in rows if r["history_kernel"] == kernel_name], clocks)
+    print_best(rows, clocks)
     return rows
 
 
 def print_best(rows: list[dict], clocks: dict) -> None:
-    """One line for the fastest of ``rows`` (one point, one history kernel)."""
+    """One line for the fastest of ``rows`` (one point)."""
     best = min(rows, key=lambda r: r["kernel_ms"])
     shape, batch, context = best["shape"], best["batch"], best["T"]
     sdpa_ms, sdpa_kind = best["sdpa_ms"], best["sdpa_kind"]
-    print(f"{best['history_kernel']:6s} {shape:16s} B={batch:<3d} T={context:<7d} {best['kernel_ms']:8.4f} ms "
+    print(f"{shape:16s} B={batch:<3d} T={context:<7d} {best['kernel_ms']:8.4f} ms "
           f"{best['GBps']:7.0f} GB/s "
           f"{100 * best['frac_copy_bw']:5.1f}% copy  sdpa {sdpa_ms:8.4f} ms ({sdpa_kind}) "
           f"x{best['speedup_vs_sdpa']:5.2f}  read-only {100 * best['read_frac_copy_bw']:5.1f}%  "
@@ -564,10 +527,6 @@ def main():
     print("decode kernel: matches the torch twin" if fast_ok else "WARNING: the inline-PTX unpacking is WRONG on this "
           "GPU; timing the plain path. Set DecodeConfig.fast_unpack's default to False in "
           "oscar_hf/kernels/decode/launch.py.")
-    if DEVICE == "cuda" and cuda_history.available(torch.device(DEVICE)):
-        if not check_decode(fast_ok, "cuda"):
-            sys.exit("ABORT: the decode with the CUDA history kernel does not match the torch twin")
-        print("decode with the CUDA history kernel: matches the torch twin")
     copy_gbps = copy_bandwidth()
     print(f"device copy bandwidth: {copy_gbps:.0f} GB/s (read + write)")
     if ARGS.smoke:

@@ -63,9 +63,9 @@ compiled method); ``--kernels N`` then logs the forward's time by kernel (torch.
 summed and on the critical path, and the idle gaps by the kernel starting after each; on the CPU, self time by op).
 ``peak_mem_gb``: torch.cuda.max_memory_allocated during the generate call, i.e. weights + cache + decode working set
 (``base_mem_gb``: allocated before the cache). ``cache_gb``: the bytes of the cache's tensors after the call
-(``cache.nbytes`` for OSCAR), linear-attention and state-space layers' states included (``state_gb``: those
-alone). Memory in GiB, summed over the GPUs the model uses. Cases whose cache alone cannot fit in the free memory
-are reported as "oom (...)" without being run.
+(``oscar_hf.cache.cache_nbytes``: ``cache.nbytes`` for OSCAR), linear-attention and state-space layers' states
+included (``state_gb``: those alone). Memory in GiB, summed over the GPUs the model uses. Cases whose cache alone
+cannot fit in the free memory are reported as "oom (...)" without being run.
 
 Several GPUs (``--gpus N``): the decoder layers are split evenly over GPUs 0..N-1 with ``accelerate.dispatch_model``
 (the placement ``device_map`` gives), each cache layer lives on its attention layer's GPU, and the cache is filled
@@ -143,13 +143,14 @@ from transformers.masking_utils import sdpa_mask
 
 from oscar_hf import (
     ModelShape,
-    OscarQuantizedCache,
     OscarRotations,
     absorb_latent_rotation,
     absorb_value_rotation,
     cache_kwargs,
     overlapped_sample,
 )
+from oscar_hf.cache import cache_nbytes
+from oscar_hf.cache.hybrid import state_bytes
 from oscar_hf.codebooks import CENTROIDS, KeyCodebook
 from oscar_hf.evaluation.environment import GIB, GPU_STATE, device_slug, environment, gpu_state
 from oscar_hf.evaluation.methods import METHODS, Method, make_cache
@@ -737,37 +738,6 @@ def lm_head_positions(model: torch.nn.Module):
 
 
 # ------------------------------------------------------------------------------------------------ cases
-def tensor_bytes(obj) -> int:
-    """Bytes held by the tensors in ``obj`` (tensor subclasses by their inner tensors; tuples, lists, dicts)."""
-    if isinstance(obj, torch.Tensor):
-        if hasattr(obj, "__tensor_flatten__"):
-            return sum(tensor_bytes(getattr(obj, name)) for name in obj.__tensor_flatten__()[0])
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (tuple, list)):
-        return sum(tensor_bytes(item) for item in obj)
-    if isinstance(obj, dict):
-        return sum(tensor_bytes(item) for item in obj.values())
-    return 0
-
-
-STATES = ("conv_states", "recurrent_states")  # a linear-attention or state-space layer's tensors
-
-
-def state_bytes(cache) -> int:
-    """Bytes of the linear-attention and state-space layers' states (conv and recurrent): a constant per sequence."""
-    return sum(tensor_bytes([getattr(layer, name, None) for name in STATES]) for layer in cache.layers)
-
-
-def cache_bytes(cache) -> int:
-    """``cache.nbytes`` for OSCAR; else the bytes of every layer's K/V tensors, quantized ones included, and
-    states."""
-    if isinstance(cache, OscarQuantizedCache):
-        return cache.nbytes
-    names = ("keys", "values", "_quantized_keys", "_quantized_values")
-    return sum(tensor_bytes([getattr(layer, name, None) for name in names]) for layer in cache.layers) + \
-        state_bytes(cache)
-
-
 def check_length(cache, expected: int) -> None:
     length = int(cache.get_seq_length())
     if length != expected:
@@ -878,8 +848,8 @@ def measure_decode(model: torch.nn.Module, method: BenchMethod, length: int, bat
               "forward_ms": forward_ms,
               "compile_s": max(0.0, seconds(clock.marks[0], clock.marks[profile.warmup]) - profile.warmup * step_s),
               "fill_s": fill_s, "generate_s": generate_s, "compiled": compiled,
-              "graphs": clock.graphs[-1] - graphs, "cache_gb": cache_bytes(cache) / GIB,
-              "state_gb": state_bytes(cache) / GIB,
+              "graphs": clock.graphs[-1] - graphs, "cache_gb": cache_nbytes(cache) / GIB,
+              "state_gb": sum(map(state_bytes, cache.layers)) / GIB,
               "stop_check": "deferred" if deferred else "every step",
               "gc_ms": sum(ms for *_, ms in pauses),
               "base_mem_gb": base, "peak_mem_gb": peak, **clocks}

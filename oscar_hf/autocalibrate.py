@@ -9,7 +9,8 @@ bundle in the Hugging Face cache folder for every later call.
 architecture, not its dtype or name), the calibration settings, the cache config, the calibration tokens and the
 oscar-hf version. Another model, revision, config, text, budget or oscar-hf release gets its own folder (a new release
 calibrates again rather than reuse rotations an older calibration made); deleting a folder makes the next call
-calibrate again.
+calibrate again. Processes (or threads) that ask for one bundle at once calibrate it once: one holds the file lock
+``<folder>.lock`` while it reads or makes the bundle, the others wait and then read it.
 
 The settings come from the model's recipe (:func:`oscar_hf.recipes.recipe_for_model`: targets, eigenvector order,
 cache config) with a budget of ``DEFAULT_TOKENS`` calibration tokens, else from :func:`oscar_hf.calibrate`'s
@@ -25,8 +26,6 @@ import json
 import logging
 import os
 import re
-import shutil
-import tempfile
 import time
 import weakref
 from collections.abc import Sequence
@@ -34,12 +33,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from filelock import FileLock, Timeout
 
 from .calibrate import calibrate, calibration_token_ids, first_held_out_length
 from .config import OscarConfig
 from .model_support import ModelShape
 from .recipes import Recipe, load_recipe, model_name, recipe_for_model
-from .rotations import OscarRotations
+from .rotations import OscarRotations, remove_stale_temporaries
+from .version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ SHIPPED_TEXT_NAME = "oscar_hf/data/austen_emma.txt"  # as a bundle records it
 # the attention-score KL and perplexity of 30K tokens (docs/design.md) and takes seconds on a 2-core CPU.
 DEFAULT_TOKENS = 2048
 CHOICE_TOKENS = 1024  # held-out tokens on which a model without a recipe has its layout chosen
+STALE_BUILD_SECONDS = 300  # a save's hidden folder older than this is a killed save's leftover
 SETTINGS = ("num_tokens", "max_length", "k_target", "v_target", "composition", "eigen_order")
 # config fields that say how a model was loaded or runs, not what it computes: left out of the bundle's key
 VOLATILE_CONFIG_KEYS = frozenset({
@@ -122,7 +124,7 @@ def bundle_folder(model, settings: dict, config: OscarConfig, token_ids: torch.T
     label = Path(name).name if name and Path(name).expanduser().is_dir() else name.replace("/", "--")
     label = re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("._") or "unnamed"
     revision = re.sub(r"[^A-Za-z0-9._-]+", "_", str(getattr(model.config, "_commit_hash", None) or "local"))
-    from . import __version__
+
 
     payload = {
         "format": 1,
@@ -198,26 +200,30 @@ def cached_rotations(
     path = bundle_folder(model, settings, config, ids, cache_dir, diagnostic_tokens, choose, key_codebook_bits)
     name = model_name(model) or type(model).__name__
     recipe_name = recipe.name if recipe else None
-    rotations = _read(path)
-    if rotations is not None:
-        logger.warning("oscar-hf: rotations for %s from %s (calibrated earlier; delete the folder to recalibrate)",
-                       name, path)
-        found = CachedRotations(rotations, path, False, 0.0, recipe_name, settings)
-    else:
-        logger.warning(
-            "oscar-hf: no rotation bundle given: calibrating %s once, on %d tokens of %s with %s; the bundle goes "
-            "to %s", name, settings["num_tokens"], data,
-            f"the recipe {recipe_name!r}" if recipe else "the default settings", path)
-        start = time.perf_counter()
-        rotations = calibrate(model, tokenizer, [ids], **settings, diagnostic_tokens=diagnostic_tokens, config=config,
-                              show_progress=show_progress, choose_layout=choose, key_codebook_bits=key_codebook_bits)
-        seconds = time.perf_counter() - start
-        rotations.source_model = model_name(model) or None
-        rotations.calibration.update(data=data, recipe=recipe_name, tokens_sha256=hashlib.sha256(
-            ids.to(torch.int64).numpy().tobytes()).hexdigest())
-        _save(rotations, path)
-        logger.warning("oscar-hf: calibrated in %.1f s; saved the bundle to %s", seconds, path)
-        found = CachedRotations(rotations, path, True, seconds, recipe_name, settings)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(path.parent, STALE_BUILD_SECONDS)
+    with _lock(path, name):  # processes that start together: one calibrates, the others read its bundle
+        rotations = _read(path)
+        if rotations is not None:
+            logger.warning("oscar-hf: rotations for %s from %s (calibrated earlier; delete the folder to recalibrate)",
+                           name, path)
+            found = CachedRotations(rotations, path, False, 0.0, recipe_name, settings)
+        else:
+            logger.warning(
+                "oscar-hf: no rotation bundle given: calibrating %s once, on %d tokens of %s with %s; the bundle goes "
+                "to %s", name, settings["num_tokens"], data,
+                f"the recipe {recipe_name!r}" if recipe else "the default settings", path)
+            start = time.perf_counter()
+            rotations = calibrate(model, tokenizer, [ids], **settings, diagnostic_tokens=diagnostic_tokens,
+                                  config=config, show_progress=show_progress, choose_layout=choose,
+                                  key_codebook_bits=key_codebook_bits)
+            seconds = time.perf_counter() - start
+            rotations.source_model = model_name(model) or None
+            rotations.calibration.update(data=data, recipe=recipe_name, tokens_sha256=hashlib.sha256(
+                ids.to(torch.int64).numpy().tobytes()).hexdigest())
+            rotations.save_pretrained(path)  # atomic; the lock keeps other processes out
+            logger.warning("oscar-hf: calibrated in %.1f s; saved the bundle to %s", seconds, path)
+            found = CachedRotations(rotations, path, True, seconds, recipe_name, settings)
     if texts is None:
         _reused.setdefault(model, {})[memo_key] = found
     return found
@@ -240,21 +246,11 @@ def _read(path: Path) -> OscarRotations | None:
         return None
 
 
-def _save(rotations: OscarRotations, path: Path) -> None:
-    """Write the bundle into ``path`` atomically (a folder beside it, renamed); a concurrent writer's bundle wins."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    build = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+def _lock(path: Path, name: str):
+    """``<path>.lock`` acquired, for a ``with`` (the wait logged where another process holds it)."""
+    lock = FileLock(f"{path}.lock")
     try:
-        rotations.save_pretrained(build)
-        try:
-            os.replace(build, path)
-        except OSError:
-            if not path.is_dir():
-                raise
-            try:  # a folder is there: a concurrent writer's bundle (kept), or a broken one (replaced)
-                OscarRotations.from_pretrained(path)
-            except (OSError, ValueError):
-                shutil.rmtree(path)
-                os.replace(build, path)
-    finally:
-        shutil.rmtree(build, ignore_errors=True)
+        return lock.acquire(timeout=0)
+    except Timeout:
+        logger.warning("oscar-hf: another process is calibrating %s into %s; waiting for its bundle", name, path)
+        return lock.acquire()

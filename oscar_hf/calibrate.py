@@ -25,9 +25,10 @@ import torch
 from tqdm.auto import tqdm
 
 from .capture import run_capture
-from .codebooks import CODEBOOK_BITS, train_key_codebooks
+from .codebooks import CODEBOOK_BITS, KeyCodebook, fit_codebook
 from .config import OscarConfig
 from .diagnostics import diagnose
+from .hadamard import bit_reversal_order
 from .layout_choice import choose_layout as choose_layout_within
 from .layout_choice import quantized_layers
 from .model_support import check_model_supported
@@ -43,14 +44,10 @@ DATA_FREE = {"identity": torch.eye, "hadamard": hadamard_matrix}
 
 # --------------------------------------------------------------------------- rotation algebra
 def bit_reversal_permutation(eigenvalues: torch.Tensor) -> torch.Tensor:
-    """``perm`` with ``perm[bitrev(i)] = argsort(λ, descending)[i]``; the matrix is ``I[:, perm]``."""
-    d = eigenvalues.numel()
-    bits = d.bit_length() - 1
-    if d & (d - 1):
-        raise ValueError(f"the bit-reversal permutation needs a power-of-two head_dim; got {d}")
-    reversed_index = torch.tensor([int(f"{i:0{bits}b}"[::-1], 2) if bits else 0 for i in range(d)])
-    perm = torch.empty(d, dtype=torch.long)
-    perm[reversed_index] = torch.argsort(eigenvalues, descending=True, stable=True)
+    """``perm`` with ``perm[rev(i)] = argsort(λ, descending)[i]``, ``rev`` the bit reversal (any head_dim:
+    :func:`oscar_hf.hadamard.bit_reversal_order`); the matrix is ``I[:, perm]``."""
+    perm = torch.empty(eigenvalues.numel(), dtype=torch.long)
+    perm[bit_reversal_order(eigenvalues.numel())] = torch.argsort(eigenvalues, descending=True, stable=True)
     return perm
 
 
@@ -136,7 +133,7 @@ def _reduce(sums: dict[str, torch.Tensor], data_parallel: bool) -> dict[str, tor
     return dict(reduce(dict(sorted(sums.items())), reduction="sum"))
 
 
-def _state():
+def process_state():
     """accelerate's process state (gloo on CPU-only machines, so torchrun on CPU works too)."""
     from accelerate import PartialState
 
@@ -235,7 +232,7 @@ def _paragraph_pieces(text: str, size: int = 16384):
 def _data_parallel(model) -> bool:
     """Whether the processes split the chunks (several processes, the model whole on each), or each runs them all
     (one process, or a tensor-parallel model over all of them)."""
-    processes = _state().num_processes
+    processes = process_state().num_processes
     tp = TensorParallel.of(model)
     if tp is None:
         return processes > 1
@@ -246,7 +243,7 @@ def _data_parallel(model) -> bool:
 
 
 def _forward_all(model, observer, chunks, batch_size: int, desc: str, show_progress: bool) -> None:
-    state = _state()
+    state = process_state()
     with (state.split_between_processes(chunks) if _data_parallel(model) else nullcontext(chunks)) as mine:
         bar = tqdm(
             total=sum(c.numel() for c in mine),
@@ -347,7 +344,7 @@ def calibrate(
     used = sum(c.numel() for c in chunks)
 
     data_parallel = _data_parallel(model)
-    device = _state().device if data_parallel else model.device
+    device = process_state().device if data_parallel else model.device
     moments = MomentObserver((k_target, v_target), shape, device)
     if moments.wanted or shape.latent is not None:
         _forward_all(model, moments, chunks, batch_size, "calibrate (pass 1)", show_progress)
@@ -457,3 +454,60 @@ def _add_key_codebooks(model, rotations: OscarRotations, chunks, bits: list[int]
                          "key codebooks need longer chunks (max_length) or more text")
     rotations.key_codebooks = books
     rotations.calibration["key_codebook_bits"] = bits
+
+
+class _KeyObserver:
+    """Collects, per layer, rotated keys centered per chunk (the tokens after the sink, at most ``max_keys`` per KV
+    head, spread over the chunks) and the queries' second moment in the rotated basis, per KV head."""
+
+    def __init__(self, rotations: OscarRotations, sink_tokens: int, max_keys: int, generator: torch.Generator):
+        self.rotations, self.sink, self.max_keys, self.generator = rotations, sink_tokens, max_keys, generator
+        self.keys: dict[int, list[torch.Tensor]] = {}
+        self.query_moment: dict[int, torch.Tensor] = {}
+        self.query_rows: dict[int, int] = {}
+
+    def observe(self, layer_idx, query, key, value, output, scaling) -> None:
+        rotation = self.rotations.key_rotation[layer_idx].to(key.device)
+        batch, heads, tokens, dim = key.shape
+        body = (key.float() @ rotation)[:, :, self.sink:]  # [B, H, n, D]
+        if body.shape[2] == 0:
+            return
+        body = body - body.mean(dim=2, keepdim=True)
+        keep = torch.randperm(body.shape[2], generator=self.generator)[: self.max_keys].to(key.device)
+        self.keys.setdefault(layer_idx, []).append(body.index_select(2, keep).transpose(0, 1).flatten(1, 2).cpu())
+        q = query.float().reshape(batch, heads, -1, tokens, dim) @ rotation[:, None] if rotation.ndim == 3 else (
+            query.float().reshape(batch, heads, -1, tokens, dim) @ rotation)
+        moment = torch.einsum("bhgtd,bhgte->hde", q, q).cpu()  # [H, D, D]
+        self.query_moment[layer_idx] = self.query_moment.get(layer_idx, 0) + moment
+        self.query_rows[layer_idx] = self.query_rows.get(layer_idx, 0) + q.shape[0] * q.shape[2] * q.shape[3]
+
+
+@torch.no_grad()
+def train_key_codebooks(
+    model, rotations: OscarRotations, chunks: list[torch.Tensor], bits: Sequence[int], *, sink_tokens: int = 64,
+    max_keys: int = 16384, iterations: int = 20, seed: int = 0, layers: list[int] | None = None,
+    show_progress: bool = True,
+) -> dict[int, list[KeyCodebook | None]]:
+    """Key codebooks of each width in ``bits``: ``{bits: [one per layer]}`` (None for a layer with no K of its own,
+    or not in ``layers``), shared by the KV heads or one per KV head as the rotations are, from the model's keys on
+    the token ``chunks`` (at most ``max_keys`` per codebook, spread over the chunks, after each chunk's first
+    ``sink_tokens``)."""
+    generator = torch.Generator().manual_seed(seed)
+    per_chunk = -(-max_keys // max(1, len(chunks)))
+    observer = _KeyObserver(rotations, sink_tokens, per_chunk, generator)
+    for chunk in chunks:
+        run_capture(model, observer, chunk.reshape(1, -1))
+    books: dict[int, list[KeyCodebook | None]] = {b: [None] * rotations.num_layers for b in bits}
+    for i in tqdm(range(rotations.num_layers), desc="key codebooks", unit="layer", disable=not show_progress):
+        if i not in observer.keys or (layers is not None and i not in layers):
+            continue
+        keys = torch.cat(observer.keys[i], dim=1)  # [H, N, D]
+        moment = observer.query_moment[i] / observer.query_rows[i]  # [H, D, D]
+        if not rotations.per_head:  # one codebook for the pooled heads, from max_keys of their keys
+            keys, moment = keys.flatten(0, 1), moment.mean(0, keepdim=True)
+            keys = keys[torch.randperm(keys.shape[0], generator=generator)[:max_keys]][None]
+        device = next(model.parameters()).device  # (k-means runs where the model does)
+        for b in bits:
+            books[b][i] = fit_codebook(keys.to(device), moment.to(device), b, iterations=iterations,
+                                       seed=seed + i).to("cpu")
+    return books

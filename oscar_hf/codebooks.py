@@ -8,19 +8,14 @@ subspaces of ``sub`` channels, and each is stored as the one byte index of its n
 bits per element (sub 8: 1 bit, sub 4: 2 bits), with no scale or zero. The key is read back as ``(c / w) @ Bᵀ``.
 
 Keys are quantized per token, so any number of tokens can reach the history at once; the codebooks are fixed, so a
-key far outside the calibration keys' range is read back at the nearest centroid. :func:`train_key_codebooks`
-captures the keys on calibration text and runs a weighted k-means per subspace.
+key far outside the calibration keys' range is read back at the nearest centroid.
+:func:`oscar_hf.calibrate.train_key_codebooks` captures the keys on calibration text and runs a weighted k-means per
+subspace.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
 import torch
-
-if TYPE_CHECKING:
-    from .rotations import OscarRotations
 
 CENTROIDS = 256  # one byte per subspace
 CODEBOOK_BITS = (1, 2)  # bits per element: subspaces of 8 or 4 channels
@@ -171,64 +166,3 @@ def fit_codebook(keys: torch.Tensor, query_moment: torch.Tensor, bits: int, *, i
         bases.append(basis.float())
         weights.append(weight.float())
     return KeyCodebook(torch.stack(centroids), torch.stack(bases), torch.stack(weights))
-
-
-class _KeyObserver:
-    """Collects, per layer, rotated keys centered per chunk (the tokens after the sink, at most ``max_keys`` per KV
-    head, spread over the chunks) and the queries' second moment in the rotated basis, per KV head."""
-
-    def __init__(self, rotations: OscarRotations, sink_tokens: int, max_keys: int, generator: torch.Generator):
-        self.rotations, self.sink, self.max_keys, self.generator = rotations, sink_tokens, max_keys, generator
-        self.keys: dict[int, list[torch.Tensor]] = {}
-        self.query_moment: dict[int, torch.Tensor] = {}
-        self.query_rows: dict[int, int] = {}
-
-    def observe(self, layer_idx, query, key, value, output, scaling) -> None:
-        rotation = self.rotations.key_rotation[layer_idx].to(key.device)
-        batch, heads, tokens, dim = key.shape
-        body = (key.float() @ rotation)[:, :, self.sink:]  # [B, H, n, D]
-        if body.shape[2] == 0:
-            return
-        body = body - body.mean(dim=2, keepdim=True)
-        keep = torch.randperm(body.shape[2], generator=self.generator)[: self.max_keys].to(key.device)
-        self.keys.setdefault(layer_idx, []).append(body.index_select(2, keep).transpose(0, 1).flatten(1, 2).cpu())
-        q = query.float().reshape(batch, heads, -1, tokens, dim) @ rotation[:, None] if rotation.ndim == 3 else (
-            query.float().reshape(batch, heads, -1, tokens, dim) @ rotation)
-        moment = torch.einsum("bhgtd,bhgte->hde", q, q).cpu()  # [H, D, D]
-        self.query_moment[layer_idx] = self.query_moment.get(layer_idx, 0) + moment
-        self.query_rows[layer_idx] = self.query_rows.get(layer_idx, 0) + q.shape[0] * q.shape[2] * q.shape[3]
-
-
-@torch.no_grad()
-def train_key_codebooks(
-    model, rotations: OscarRotations, chunks: list[torch.Tensor], bits: Sequence[int], *, sink_tokens: int = 64,
-    max_keys: int = 16384, iterations: int = 20, seed: int = 0, layers: list[int] | None = None,
-    show_progress: bool = True,
-) -> dict[int, list[KeyCodebook | None]]:
-    """Key codebooks of each width in ``bits``: ``{bits: [one per layer]}`` (None for a layer with no K of its own,
-    or not in ``layers``), shared by the KV heads or one per KV head as the rotations are, from the model's keys on
-    the token ``chunks`` (at most ``max_keys`` per codebook, spread over the chunks, after each chunk's first
-    ``sink_tokens``)."""
-    from tqdm.auto import tqdm
-
-    from .capture import run_capture
-
-    generator = torch.Generator().manual_seed(seed)
-    per_chunk = -(-max_keys // max(1, len(chunks)))
-    observer = _KeyObserver(rotations, sink_tokens, per_chunk, generator)
-    for chunk in chunks:
-        run_capture(model, observer, chunk.reshape(1, -1))
-    books: dict[int, list[KeyCodebook | None]] = {b: [None] * rotations.num_layers for b in bits}
-    for i in tqdm(range(rotations.num_layers), desc="key codebooks", unit="layer", disable=not show_progress):
-        if i not in observer.keys or (layers is not None and i not in layers):
-            continue
-        keys = torch.cat(observer.keys[i], dim=1)  # [H, N, D]
-        moment = observer.query_moment[i] / observer.query_rows[i]  # [H, D, D]
-        if not rotations.per_head:  # one codebook for the pooled heads, from max_keys of their keys
-            keys, moment = keys.flatten(0, 1), moment.mean(0, keepdim=True)
-            keys = keys[torch.randperm(keys.shape[0], generator=generator)[:max_keys]][None]
-        device = next(model.parameters()).device  # (k-means runs where the model does)
-        for b in bits:
-            books[b][i] = fit_codebook(keys.to(device), moment.to(device), b, iterations=iterations,
-                                       seed=seed + i).to("cpu")
-    return books

@@ -117,17 +117,15 @@ class OscarConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
                 self._fail(name, "a number in (0, 1]; 1.0 means no clipping")
             setattr(self, name, float(value))
-        if self.scale_dtype not in SCALE_DTYPES:
-            self._fail("scale_dtype", " or ".join(repr(k) for k in SCALE_DTYPES))
-        if self.quantizer not in QUANTIZERS:
-            self._fail("quantizer", " or ".join(repr(k) for k in QUANTIZERS))
+        for name, choices in (("scale_dtype", SCALE_DTYPES), ("quantizer", QUANTIZERS),
+                              ("key_quantization", KEY_LAYOUTS), ("backend", BACKENDS)):
+            if not isinstance(getattr(self, name), str) or getattr(self, name) not in choices:
+                self._fail(name, " or ".join(map(repr, choices)))
         if self.quantizer == "lloyd-max" and 4 in self.side_bits.values():
             self._fail("quantizer", "'uniform' with 4-bit K or V ('lloyd-max' has 2-bit levels only)")
         for name in ("centering", "quantize_sliding"):
             if not isinstance(getattr(self, name), bool):
                 self._fail(name, "True or False")
-        if self.key_quantization not in KEY_LAYOUTS:
-            self._fail("key_quantization", " or ".join(repr(k) for k in KEY_LAYOUTS))
         for name, (needed, why) in self.key_layout.needs.items():
             if getattr(self, name) != needed:
                 self._fail(name, f"{needed!r} when key_quantization={self.key_quantization!r} ({why})")
@@ -137,8 +135,6 @@ class OscarConfig:
             field = "key_bits" if wrong_key_bits else "bits"
             allowed = " or ".join(map(str, self.key_layout.key_bits))
             self._fail(field, f"such that K takes {allowed} bits with key_quantization={self.key_quantization!r}")
-        if self.backend not in BACKENDS:
-            self._fail("backend", " or ".join(repr(k) for k in BACKENDS))
 
     def _fail(self, field: str, allowed: str):
         raise ValueError(f"OscarConfig.{field} must be {allowed}; got {getattr(self, field)!r}")
@@ -181,6 +177,8 @@ class OscarConfig:
 
     def resolved_group_size(self, head_dim: int) -> int:
         """The group size for a given head_dim; raises ValueError if it cannot be used."""
+        if not head_dim > 0:
+            raise ValueError(f"head_dim must be positive; got {head_dim!r}")
         group = self.group_size or head_dim
         bits = min(self.side_bits.values())
         if head_dim % group:
@@ -216,6 +214,8 @@ class OscarConfig:
         per token and group of ``group_size`` channels, per-channel K one per channel and group of
         ``flush_tokens`` tokens. The windows hold what a prefill of ``seq_len`` tokens leaves in them.
         """
+        if seq_len is not None and not seq_len > 0:
+            raise ValueError(f"seq_len must be None (the history alone) or positive; got {seq_len!r}")
         scale_bits = torch.finfo(self.torch_scale_dtype).bits
         group = self.resolved_group_size(head_dim)
         key_group = self.key_layout.values_per_scale(self, group)
@@ -233,6 +233,8 @@ class OscarConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "OscarConfig":
+        if not isinstance(data, dict):
+            raise ValueError(f"an OscarConfig is read from a dict of its fields; got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

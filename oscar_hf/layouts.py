@@ -16,7 +16,6 @@ from .quantizer import QuantizedRows, dequantize, dequantize_per_channel, quanti
 
 if TYPE_CHECKING:
     from .codebooks import KeyCodebook
-    from .config import OscarConfig
 
 
 class KeyLayout:
@@ -34,12 +33,12 @@ class KeyLayout:
     key_bits: tuple[int, ...] = (2, 4)  # the K bits it stores
     uses_codebook = False
 
-    def token_group(self, config: OscarConfig) -> int | None:
+    def token_group(self, config) -> int | None:
         """Tokens that share one row of K's scale and zero: None where each token has its own
         (``PackedKV.key_token_group``)."""
         raise NotImplementedError
 
-    def tokens_per_scale_row(self, config: OscarConfig) -> int:
+    def tokens_per_scale_row(self, config) -> int:
         """Tokens per row of K's scale and zero."""
         return self.token_group(config) or 1
 
@@ -47,15 +46,15 @@ class KeyLayout:
         """Columns of K's scale and zero per row."""
         raise NotImplementedError
 
-    def values_per_scale(self, config: OscarConfig, group_size: int) -> int:
+    def values_per_scale(self, config, group_size: int) -> int:
         """K elements that share one scale and zero (bits-per-element accounting)."""
         raise NotImplementedError
 
-    def demotion_unit(self, config: OscarConfig) -> int:
+    def demotion_unit(self, config) -> int:
         """The history grows by multiples of this many tokens."""
         return self.tokens_per_scale_row(config)
 
-    def quantize(self, key: torch.Tensor, *, bits: int, clip: float, group_size: int, config: OscarConfig,
+    def quantize(self, key: torch.Tensor, *, bits: int, clip: float, group_size: int, config,
                  codebook: KeyCodebook | None = None) -> QuantizedRows:
         """K ``[..., N, D]`` (N a multiple of the demotion unit) in this layout."""
         raise NotImplementedError
@@ -64,7 +63,7 @@ class KeyLayout:
         """:meth:`quantize`'s rows back to fp32 ``[..., N, D]``."""
         raise NotImplementedError
 
-    def writer(self, config: OscarConfig, device: torch.device, codebook: KeyCodebook | None = None):
+    def writer(self, config, device: torch.device, codebook: KeyCodebook | None = None):
         """The K/V writer of a layer on ``device`` (``kernels.write_backend``'s signature)."""
         raise NotImplementedError
 
@@ -76,13 +75,13 @@ class PerTokenKeys(KeyLayout):
     name = "per-token"
     centered = True
 
-    def token_group(self, config: OscarConfig) -> int | None:
+    def token_group(self, config) -> int | None:
         return None
 
     def scale_columns(self, head_dim: int, group_size: int) -> int:
         return head_dim // group_size
 
-    def values_per_scale(self, config: OscarConfig, group_size: int) -> int:
+    def values_per_scale(self, config, group_size: int) -> int:
         return group_size
 
     def quantize(self, key, *, bits, clip, group_size, config, codebook=None):

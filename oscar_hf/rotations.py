@@ -12,13 +12,25 @@ Rows are rotated on the right: ``k_rot = k @ key_rotation[layer]`` (``[B, H, T, 
 ``format_version`` 1 holds shared rotations only; 2 adds per-KV-head ones; 3 holds models whose layers differ in
 head_dim or KV heads, one tensor per layer (``key_rotation.0``, ``key_rotation.1``, ...). A bundle is written with
 the lowest version that holds it (older oscar-hf keeps reading what it can); all load.
+
+A bundle is saved whole or not at all: into a hidden folder beside its own (``.<name>.oscar-tmp-<random>``) that
+then takes its place, so that readers see the old bundle or the new one, never a mix.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import itertools
 import json
+import logging
 import os
+import reprlib
+import secrets
+import shutil
+import stat
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,6 +39,7 @@ from safetensors.torch import load_file, save_file
 
 from .codebooks import KeyCodebook
 from .config import OscarConfig
+from .hadamard import hadamard_matrix
 from .model_support import ModelShape
 
 CONFIG_NAME = "oscar_config.json"
@@ -34,11 +47,80 @@ WEIGHTS_NAME = "rotations.safetensors"
 CODEBOOKS_NAME = "codebooks.safetensors"
 DIAGNOSTICS_NAME = "diagnostics.json"
 CARD_NAME = "README.md"
+BUNDLE_FILES = (CONFIG_NAME, WEIGHTS_NAME, CODEBOOKS_NAME, DIAGNOSTICS_NAME, CARD_NAME)
+TEMPORARY_MARK = ".oscar-tmp-"  # in the hidden folder a save writes into: ".<name>.oscar-tmp-<random>"
 FORMAT_VERSION = 3  # the newest: layers of differing geometry, one tensor per layer
 PER_HEAD_FORMAT_VERSION = 2  # per-KV-head rotations, stacked
 SHARED_FORMAT_VERSION = 1  # shared (per-layer) rotations only, stacked
 ORTHOGONALITY_TOLERANCE = 1e-4
 TENSOR_NAMES = ("key_rotation", "value_rotation", "key_eigenvalues", "value_eigenvalues")
+
+logger = logging.getLogger(__name__)
+
+
+def _count(value) -> bool:
+    return type(value) is int and value > 0
+
+
+def _counts(value) -> bool:
+    """One positive integer, or a non-empty list of them (one per layer)."""
+    return _count(value) or isinstance(value, list) and bool(value) and all(map(_count, value))
+
+
+# The fields of oscar_config.json: name -> (required, test, what the value must be).
+CONFIG_FIELDS = {
+    "format_version": (True, lambda v: type(v) is int, "an integer"),
+    "num_kv_heads": (True, _counts, "a positive integer, or a list of one per layer"),
+    "head_dim": (False, _counts, "a positive integer, or a list of one per layer"),
+    "num_layers": (False, _count, "a positive integer"),
+    "per_head": (False, lambda v: type(v) is bool, "true or false"),
+    "source_model": (False, lambda v: v is None or isinstance(v, str), "a string or null"),
+    "method": (False, lambda v: isinstance(v, str), "a string"),
+    "calibration": (False, lambda v: v is None or isinstance(v, dict), "a JSON object or null"),
+    "config": (False, lambda v: v is None or isinstance(v, dict), "a JSON object (OscarConfig fields) or null"),
+    "key_codebook_bits": (False, lambda v: isinstance(v, list) and all(map(_count, v)), "a list of bit widths"),
+}
+# The fields of a row of diagnostics.json: "layer", and the metrics and "tokens" (any other field)
+DIAGNOSTICS_LAYER = (True, lambda v: type(v) is int and v >= 0, "an integer >= 0")
+DIAGNOSTICS_VALUE = (False, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number")
+
+
+def _json(path: Path):
+    """The JSON value in the file ``path``; ValueError naming the file where it is not JSON."""
+    try:
+        return json.loads(Path(path).read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+
+
+def _check_fields(where: str, data, fields: dict) -> dict:
+    """``data`` (read from JSON) where it is an object whose ``fields`` pass their tests; else ValueError naming
+    ``where`` (the file) and the field."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} must be a JSON object; got {type(data).__name__} {reprlib.repr(data)}")
+    for name, (required, valid, must) in fields.items():
+        if name not in data and required:
+            raise ValueError(f"{where} lacks the field {name!r} ({must})")
+        if name in data and not valid(data[name]):
+            raise ValueError(f"{where}: the field {name!r} must be {must}; got {reprlib.repr(data[name])}")
+    return data
+
+
+def _diagnostics(path: Path) -> list[dict]:
+    """The rows of a bundle's diagnostics.json (oscar_hf.diagnostics): objects with an integer ``layer`` and numbers
+    (its metrics, ``tokens``) in every other field."""
+    rows = _json(path)
+    if not isinstance(rows, list):
+        raise ValueError(f"{path} must be a JSON list of per-layer rows; got {type(rows).__name__}")
+    for i, row in enumerate(rows):
+        fields = dict.fromkeys(row if isinstance(row, dict) else (), DIAGNOSTICS_VALUE) | {"layer": DIAGNOSTICS_LAYER}
+        _check_fields(f"{path} (row {i})", row, fields)
+    return rows
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logger.warning(message)
 
 
 def _stacked(layers: list[torch.Tensor]) -> torch.Tensor | tuple[torch.Tensor, ...]:
@@ -53,16 +135,6 @@ def _summary(values: tuple[int, ...]) -> str:
 
 def _shapes(rotations) -> list[tuple[int, ...]] | tuple[int, ...]:
     return tuple(rotations.shape) if isinstance(rotations, torch.Tensor) else [tuple(r.shape) for r in rotations]
-
-
-def hadamard_matrix(n: int) -> torch.Tensor:
-    """Sylvester (natural-order) Walsh–Hadamard matrix ``[n, n]`` divided by √n (float64, orthonormal)."""
-    if n < 1 or n & (n - 1):
-        raise ValueError(f"a Sylvester Hadamard matrix needs a power-of-two size; got head_dim={n}")
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / n**0.5
 
 
 class OscarRotations:
@@ -265,7 +337,7 @@ class OscarRotations:
 
     @classmethod
     def hadamard(cls, model_config) -> "OscarRotations":
-        """The normalized Sylvester Hadamard on every layer (QuaRot-style, data-free)."""
+        """:func:`hadamard_matrix` on every layer (QuaRot-style, data-free)."""
         return cls._data_free(model_config, hadamard_matrix, "hadamard")
 
     @classmethod
@@ -278,12 +350,17 @@ class OscarRotations:
         model_config=None,
         source_model: str | None = None,
     ) -> "OscarRotations":
-        """Import the OSCAR reference's rotation files (``k_rotation_qqt_r_h_pbr.pt``, ``v_rotation_sst_r_h_pbr.pt``),
-        read with ``torch.load(weights_only=True)``.
+        """Import the OSCAR reference's rotation files: ``torch.save``'d (``k_rotation_qqt_r_h_pbr.pt``,
+        ``v_rotation_sst_r_h_pbr.pt``, read with ``torch.load(weights_only=True)``) or JSON (its per-head fitting
+        script's, the arrays as nested lists).
 
         Each holds ``{"format_version": 1 or 2, "objective": ..., "layers": {layer_id: {"rotation", "eigenvalues"}}}``:
         v1 a ``[D, D]`` rotation and ``[D]`` eigenvalues per layer, v2 (per KV head) ``[kv_heads, D, D]`` and
-        ``[kv_heads, D]``. A side with shared rotations beside a per-head one is repeated over the heads.
+        ``[kv_heads, D]``; eigenvalues may be absent (zeros, as in data-free bundles). A side with shared rotations
+        beside a per-head one is repeated over the heads. Of the optional fields of a layer (or the file),
+        ``q_rotation`` and ``o_rotation`` must be the identity (the cache rotates Q by K's rotation and the attention
+        output back by V's, and applies no other), and ``k_mean`` (key centering on a fixed mean) becomes the
+        recommended config's ``centering``, which centers each sequence's keys on their own mean.
 
         Layer ids are the model's: ``0 .. layers-1``, or, for models whose every layer is not full attention (hybrids,
         sliding-window interleaves), the global ids of the full-attention layers alone (Qwen3.5's 3, 7, 11, ...).
@@ -300,22 +377,44 @@ class OscarRotations:
             num_kv_heads = shape.kv_heads
         kv_heads = num_kv_heads if not isinstance(num_kv_heads, int) else None
 
-        def read(path) -> tuple[list[int], torch.Tensor, torch.Tensor, str]:
-            data = torch.load(path, map_location="cpu", weights_only=True)
+        def array(path, where: str, value) -> torch.Tensor:
+            try:
+                return torch.as_tensor(value, dtype=torch.float64)
+            except (TypeError, ValueError, RuntimeError) as err:  # ragged or non-numeric nested lists
+                raise ValueError(f"{path}: {where} is not a numeric array ({err})") from None
+
+        def read(path) -> tuple[list[int], torch.Tensor, torch.Tensor, str, bool]:
+            with open(path, "rb") as f:
+                is_json = f.read(64).lstrip()[:1] == b"{"
+            data = _json(path) if is_json else torch.load(path, map_location="cpu", weights_only=True)
             if not isinstance(data, dict) or not isinstance(data.get("layers"), dict) or not data["layers"]:
                 raise ValueError(f"{path} is not an OSCAR reference rotation file (no 'layers' dict)")
             if data.get("format_version", 1) not in (1, 2):
                 raise ValueError(f"{path}: unsupported format_version {data.get('format_version')!r} (1 or 2)")
-            layers = sorted(data["layers"].items(), key=lambda item: int(item[0]))
-            if not all(isinstance(e, dict) and {"rotation", "eigenvalues"} <= set(e) for _, e in layers):
-                raise ValueError(f"{path}: every layer entry needs 'rotation' and 'eigenvalues'")
-            rotations = [torch.as_tensor(entry["rotation"]) for _, entry in layers]
+            if not all(type(i) is int or isinstance(i, str) and i.isdigit() for i in data["layers"]):
+                raise ValueError(f"{path}: layer ids must be integers; got {sorted(map(str, data['layers']))}")
+            layers = sorted(((int(i), e) for i, e in data["layers"].items()), key=lambda item: item[0])
+            if not all(isinstance(e, dict) and "rotation" in e for _, e in layers):
+                raise ValueError(f"{path}: every layer entry needs a 'rotation'")
+            holders = [("the file", data), *((f"layer {i}", e) for i, e in layers)]
+            for (where, holder), name in itertools.product(holders, ("q_rotation", "o_rotation")):
+                m = array(path, f"{where}'s {name}", holder[name]) if holder.get(name) is not None else None
+                if m is not None and (m.ndim < 2 or m.shape[-1] != m.shape[-2] or not torch.allclose(
+                        m, torch.eye(m.shape[-1], dtype=m.dtype), rtol=0, atol=ORTHOGONALITY_TOLERANCE)):
+                    raise ValueError(f"{path}: {where}'s {name} is not the identity; the cache rotates Q by K's "
+                                     "rotation and the attention output back by V's, and applies no other: import "
+                                     f"rotations fitted without {name}")
+            centered = [array(path, f"{where}'s k_mean", h["k_mean"]) for where, h in holders
+                        if h.get("k_mean") is not None]
+            rotations = [array(path, f"layer {i}'s rotation", e["rotation"]) for i, e in layers]
             if len({tuple(r.shape) for r in rotations}) != 1 or rotations[0].ndim not in (2, 3):
                 raise ValueError(f"{path}: every layer's rotation must be [D, D] (v1) or [kv_heads, D, D] (v2), all "
                                  f"alike; got {sorted({tuple(r.shape) for r in rotations})}")
-            eigenvalues = torch.stack([torch.as_tensor(entry["eigenvalues"]) for _, entry in layers])
+            eigenvalues = torch.stack([array(path, f"layer {i}'s eigenvalues", e["eigenvalues"])
+                                       if e.get("eigenvalues") is not None else r.new_zeros(r.shape[:-1])
+                                       for (i, e), r in zip(layers, rotations)])
             objective = str(data.get("objective", "unknown"))
-            return [int(i) for i, _ in layers], torch.stack(rotations), eigenvalues, objective
+            return [i for i, _ in layers], torch.stack(rotations), eigenvalues, objective, bool(centered)
 
         def heads_of(layer: int) -> int:
             return kv_heads[layer] if kv_heads is not None else num_kv_heads
@@ -352,9 +451,10 @@ class OscarRotations:
             return [r for r, _ in out], [e for _, e in out]
 
         read_files = [read(path) for path in (key_file, value_file)]
-        per_head = any(rotation.ndim == 4 for _, rotation, _, _ in read_files)
+        per_head = any(rotation.ndim == 4 for _, rotation, _, _, _ in read_files)
+        centered = any(centered for *_, centered in read_files)
         sides = []
-        for path, (ids, rotation, eigenvalues, objective) in zip((key_file, value_file), read_files):
+        for path, (ids, rotation, eigenvalues, objective, _) in zip((key_file, value_file), read_files):
             if rotation.ndim == 4:
                 expected = sorted({heads_of(i) for i in ids if kv_heads is None or i < len(kv_heads)})
                 if expected != [rotation.shape[1]]:
@@ -374,7 +474,8 @@ class OscarRotations:
                 "imported_from": "OSCAR reference",
                 "key_objective": key_objective,
                 "value_objective": value_objective,
-            },
+            } | ({"key_centering": "k_mean: each sequence's own mean (OscarConfig.centering)"} if centered else {}),
+            config=OscarConfig(centering=True) if centered else None,
         )
 
     # ------------------------------------------------------------------- model compatibility
@@ -394,8 +495,11 @@ class OscarRotations:
         )  # (key codebooks are left out: they live in the K rotation's basis)
 
     def check_compatible(self, model_config) -> None:
-        """Raise ValueError naming the first field in which this bundle does not fit ``model_config``."""
+        """Raise ValueError naming the first field in which this bundle does not fit ``model_config``; warn (once)
+        where the bundle was made for another model of the same shape, as both name them (two Hub ids or two local
+        paths: a path may hold a Hub model's download or conversion)."""
         shape = ModelShape.from_config(model_config)
+        model_name = getattr(model_config, "_name_or_path", None) or None
         fields = [("num_layers", self.num_layers, shape.num_layers)]
         if self.num_layers == shape.num_layers:
             fields += [(f"head_dim of layer {i}", ours, theirs)
@@ -405,19 +509,53 @@ class OscarRotations:
         for field, ours, theirs in fields:
             if ours != theirs:
                 made_for = self.source_model or "a model whose name it does not record"
-                model_name = getattr(model_config, "_name_or_path", None) or "this model"
                 if shape.uniform and self.uniform:
                     field = field.split(" of layer")[0]
                 raise ValueError(
                     f"rotation bundle does not fit the model: {field} is {ours} in the bundle (made for {made_for}) "
-                    f"but {theirs} in {model_name}"
+                    f"but {theirs} in {model_name or 'this model'}"
                 )
+        names = [str(name).rstrip("/") for name in (self.source_model, model_name) if name]
+        if len(set(names)) == 2 and len({Path(name).expanduser().is_absolute() for name in names}) == 1:
+            _warn_once(f"oscar-hf: the rotation bundle was made for {self.source_model}, not for {model_name}: its "
+                       "shape fits, but its rotations follow the other model's K and V statistics")
 
     # ------------------------------------------------------------------------------- saving
     def save_pretrained(self, save_directory: str | os.PathLike) -> Path:
-        """Write ``oscar_config.json`` and ``rotations.safetensors`` into ``save_directory``."""
-        path = Path(save_directory)
-        path.mkdir(parents=True, exist_ok=True)
+        """Save the bundle as the folder ``save_directory`` (returned), atomically: into a hidden folder beside it
+        (``.<name>.oscar-tmp-<random>``) that then replaces it whole, so that no file of a bundle saved there before
+        stays, and an interrupted save leaves that bundle as it was (and the hidden folder:
+        :func:`remove_stale_temporaries`). A folder holding anything but a bundle's files (a model's, say) is left
+        untouched: FileExistsError."""
+        path = Path(save_directory).expanduser().resolve()
+        foreign = sorted(set(os.listdir(path)) - set(BUNDLE_FILES)) if path.exists() else []
+        if foreign:
+            raise FileExistsError(f"{path} holds files that are not a rotation bundle's ({', '.join(foreign)}): save "
+                                  "the bundle into a new folder")
+        build = path.parent / f".{path.name}{TEMPORARY_MARK}{secrets.token_hex(6)}"
+        build.mkdir(parents=True)  # a plain mkdir's mode (the umask's), as huggingface_hub's cache has (not 0o700)
+        aside = build.with_name(f"{build.name}-old")
+        try:
+            self._write(build)
+            mode = stat.S_IMODE((build / CONFIG_NAME).stat().st_mode)  # open()'s; safetensors writes 0o600
+            for file in build.iterdir():
+                file.chmod(mode)
+            if path.exists():
+                path.rename(aside)
+            try:
+                build.rename(path)
+            except BaseException:
+                if aside.exists():
+                    aside.rename(path)
+                raise
+        except BaseException:
+            shutil.rmtree(build, ignore_errors=True)
+            raise
+        shutil.rmtree(aside, ignore_errors=True)
+        return path
+
+    def _write(self, path: Path) -> None:
+        """Write the bundle's files into the folder ``path``."""
         uniform = self.uniform
         metadata = {
             "format_version": self.format_version,
@@ -446,7 +584,6 @@ class OscarRotations:
         (path / CARD_NAME).write_text(self.model_card())
         if self.diagnostics is not None:
             (path / DIAGNOSTICS_NAME).write_text(json.dumps(self.diagnostics, indent=2) + "\n")
-        return path
 
     def model_card(self) -> str:
         """A short README for the bundle: what it is, how it was made, how to use it."""
@@ -523,18 +660,22 @@ class OscarRotations:
     @classmethod
     def _load(cls, config_file: Path, weights_file: Path, fetch) -> "OscarRotations":
         """The bundle of these files; ``fetch(name)`` gives the path of another of its files."""
-        try:
-            metadata = json.loads(config_file.read_text())
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{config_file} is not valid JSON: {err}") from None
-        version = metadata.get("format_version")
-        if type(version) is not int or not SHARED_FORMAT_VERSION <= version <= FORMAT_VERSION:
+        metadata = _check_fields(str(config_file), _json(config_file), CONFIG_FIELDS)
+        version = metadata["format_version"]
+        if not SHARED_FORMAT_VERSION <= version <= FORMAT_VERSION:
             raise ValueError(f"{config_file}: unsupported format_version {version!r} (this oscar-hf reads "
                              f"{SHARED_FORMAT_VERSION} to {FORMAT_VERSION}; a newer bundle needs a newer oscar-hf)")
+        try:
+            config = OscarConfig.from_dict(metadata["config"]) if metadata.get("config") else None
+        except ValueError as err:
+            raise ValueError(f"{config_file}: the field 'config': {err}") from None
         try:
             tensors = load_file(str(weights_file))
         except Exception as err:  # safetensors raises its own error type for a truncated or foreign file
             raise ValueError(f"{weights_file} is not a readable safetensors file ({err})") from None
+        for key, value in tensors.items():
+            if value.dtype != torch.float32:
+                raise ValueError(f"{weights_file}: the tensor {key!r} is {value.dtype}; a bundle stores float32")
         if version == FORMAT_VERSION:  # one tensor per layer: "key_rotation.0", "key_rotation.1", ...
             per_layer = {}
             for key, value in tensors.items():
@@ -560,11 +701,11 @@ class OscarRotations:
             source_model=metadata.get("source_model"),
             method=metadata.get("method", "custom"),
             calibration=metadata.get("calibration"),
-            config=OscarConfig.from_dict(metadata["config"]) if metadata.get("config") else None,
+            config=config,
         )
         diagnostics_file = config_file.with_name(DIAGNOSTICS_NAME)
         if diagnostics_file.is_file():
-            bundle.diagnostics = json.loads(diagnostics_file.read_text())
+            bundle.diagnostics = _diagnostics(diagnostics_file)
         if metadata.get("key_codebook_bits"):
             missing = FileNotFoundError(f"{config_file.name} lists key codebooks of {metadata['key_codebook_bits']} "
                                         f"bits, but the bundle has no {CODEBOOKS_NAME}")
@@ -610,6 +751,18 @@ class OscarRotations:
                 commit_message=commit_message or f"Upload OSCAR rotations ({self.method})",
             )
         return str(info)
+
+
+def remove_stale_temporaries(parent: str | os.PathLike, older_than_s: float = 3600.0) -> list[Path]:
+    """Remove the hidden folders (``.<name>.oscar-tmp-*``) that saves into ``parent`` left behind when killed, those
+    untouched for ``older_than_s`` seconds (younger ones may be saves under way); return the paths removed."""
+    cutoff, removed = time.time() - older_than_s, []
+    for folder in Path(parent).glob(f".*{TEMPORARY_MARK}*"):
+        with contextlib.suppress(FileNotFoundError):  # (a concurrent cleanup may take it first)
+            if folder.is_dir() and folder.stat().st_mtime < cutoff:
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(folder)
+    return removed
 
 
 def _read_codebooks(path: Path, bits: list[int], num_layers: int) -> dict[int, list[KeyCodebook | None]]:

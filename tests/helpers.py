@@ -10,8 +10,9 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, proce
 from transformers import PreTrainedTokenizerFast
 from transformers.generation.streamers import BaseStreamer
 
-from oscar_hf import OscarQuantizedCache, OscarRotations, calibrate
+from oscar_hf import DynamicOscarLayer, OscarConfig, OscarQuantizedCache, OscarRotations, StaticOscarLayer, calibrate
 from oscar_hf.demo import calibration_text
+from oscar_hf.rotations import hadamard_matrix
 
 VOCAB = 96
 
@@ -226,3 +227,27 @@ def build_family(name: str, dtype: torch.dtype = torch.float32, **overrides) -> 
             torch.nn.init.normal_(module.sinks, std=2.0)
     model.generation_config.eos_token_id = None
     return model.eval()
+
+
+# ------------------------------------------------------------------------------ exact rotations
+def signed_hadamard(dim, heads=None, seed=3):
+    """Hadamard rows in a random order with random signs ``[D, D]``, or ``heads`` different ones ``[heads, D, D]``
+    (per-KV-head rotations). On values that are multiples of 1/4 below 64, every sum of the rotation is exact in
+    fp32."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def one():
+        signs = torch.randint(0, 2, (dim, 1), generator=generator) * 2 - 1
+        return (hadamard_matrix(dim)[torch.randperm(dim, generator=generator)] * signs).float()
+
+    return one() if heads is None else torch.stack([one() for _ in range(heads)])
+
+
+def static_and_host_layers(dim, *, max_len=120, heads=None, **config):
+    """A static (max_cache_len) layer, whose one-token steps run the device-only operators (rotating in the append
+    kernel), and a growing layer (the host path, the oracle: a GEMM), with the same settings: Triton backend, bf16,
+    :func:`signed_hadamard` rotations (K's; V's their transpose), one per KV head where ``heads`` is given. On K/V
+    that are multiples of 1/4 below 64, every sum of the rotation is exact in fp32, so both paths round it alike."""
+    cfg = OscarConfig(backend="triton", **config)
+    rotation = signed_hadamard(dim, heads)
+    return (StaticOscarLayer(cfg, rotation, rotation.mT, max_len), DynamicOscarLayer(cfg, rotation, rotation.mT))

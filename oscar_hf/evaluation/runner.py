@@ -64,18 +64,9 @@ def run_eval(
         longest = max(contexts)
         batch = text_segments(tokenizer, text, segments, longest + score_tokens)
         bos = len(bos_prefix(tokenizer))  # a shorter context keeps the segments' BOS, then their last tokens
-        rows += [
-            r
-            for context in contexts
-            for r in evaluate_perplexity(
-                model,
-                torch.cat([batch[:, :bos], batch[:, longest - context + bos :]], dim=1),
-                [context],
-                methods,
-                calibrated,
-                progress=print,
-            )
-        ]
+        for context in contexts:
+            segment = torch.cat([batch[:, :bos], batch[:, longest - context + bos :]], dim=1)
+            rows += evaluate_perplexity(model, segment, [context], methods, calibrated, progress=print)
     if "niah" in tasks:
         rows += evaluate_niah(
             model, tokenizer, text, list(niah_lengths), list(niah_depths), methods, calibrated, needles=niah_needles,
@@ -88,9 +79,8 @@ def run_eval(
             trials=recall_trials, step=recall_step, progress=print,
         )
     if "gsm8k" in tasks:
-        rows += evaluate_gsm8k(
-            model, tokenizer, load_gsm8k(gsm8k_path, gsm8k_limit), methods, calibrated, progress=print
-        )
+        rows += evaluate_gsm8k(model, tokenizer, load_gsm8k(gsm8k_path, gsm8k_limit), methods, calibrated,
+                               progress=print)
     for row in rows:
         row["model"] = model_name
     write_csv(rows, out / "results.csv")

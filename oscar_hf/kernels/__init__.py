@@ -2,10 +2,12 @@
 
 "torch" runs the twins (``*/reference.py``); "triton" (registered when triton imports) runs the Triton kernels where
 they serve a call and the twins elsewhere (and SDPA while nothing is quantized: the default cache's attention,
-exactly). Nothing here imports the cache.
+exactly). Nothing here imports the cache, and nothing imports triton before a Triton kernel runs.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 
@@ -19,23 +21,19 @@ __all__ = ["ATTENTION_BACKENDS", "DEQUANTIZE_BACKENDS", "WRITE_BACKENDS", "Packe
 
 
 def _torch_attend(module, query, packed: PackedKV, new_key, new_value, attention_mask, scaling, recent_tokens: int,
-                  softcap=None, sinks=None, window=None):
+                  softcap=None, sinks=None, window=None, order=None):
     return decode_reference.attend(module, query, packed, new_key, new_value, attention_mask, scaling,
-                                   softcap=softcap, sinks=sinks, window=window)
+                                   softcap=softcap, sinks=sinks, window=window, order=order)
 
 
 ATTENTION_BACKENDS = {"torch": _torch_attend}
 WRITE_BACKENDS = {"torch": quantize_kv}
 DEQUANTIZE_BACKENDS = {"torch": dequantize_rows}
 
-try:
-    import triton  # noqa: F401
-except ImportError:
-    pass
-else:
+if importlib.util.find_spec("triton") is not None:
     # The Triton modules are imported on first use: the interpreter mode (TRITON_INTERPRET) is read when they are.
     def _triton_attend(module, query, packed: PackedKV, new_key, new_value, attention_mask, scaling,
-                       recent_tokens: int, softcap=None, sinks=None, window=None):
+                       recent_tokens: int, softcap=None, sinks=None, window=None, order=None):
         from .decode import launch
         from .decode.triton import decode
         from .dequantize import triton as dequantize
@@ -43,12 +41,14 @@ else:
         lengths = packed.lengths()
         if lengths[1] == 0:  # nothing quantized yet: SDPA over the model's own K and V, as the default cache
             return decode_reference.attend(module, query, packed, new_key, new_value, attention_mask, scaling,
-                                           softcap=softcap, sinks=sinks, window=window)
+                                           softcap=softcap, sinks=sinks, window=window, order=order)
         if launch.supports_call(query, packed, attention_mask, recent_tokens, sum(lengths[:3])):
+            if order is not None and attention_mask is not None:  # the mask read in the stored order
+                attention_mask = attention_mask.gather(-1, order[:, None, None, :].expand(attention_mask.shape))
             return decode(query, packed, attention_mask, scaling, softcap=softcap, sinks=sinks)
         fill = dequantize.fill_history if dequantize.supports(packed) else None
         return decode_reference.attend(module, query, packed, new_key, new_value, attention_mask, scaling, fill,
-                                       softcap=softcap, sinks=sinks, window=window)
+                                       softcap=softcap, sinks=sinks, window=window, order=order)
 
     def _triton_write(key, value, **kwargs):
         from .write.triton import quantize_pack_kv
@@ -78,7 +78,9 @@ def resolve(name: str, device: torch.device) -> str:
 
 def attention_backend(name: str, device: torch.device):
     """``attend(module, query, packed, new_key, new_value, attention_mask, scaling, recent_tokens, softcap=None,
-    sinks=None, window=None)`` of backend ``name`` on ``device`` (see :func:`resolve`)."""
+    sinks=None, window=None, order=None)`` of backend ``name`` on ``device`` (see :func:`resolve`); ``order``: int64
+    ``[B, >= T]``, the model's position of each stored position (a left-padded prompt stored in its rows' own
+    order), or None."""
     return ATTENTION_BACKENDS[resolve(name, device)]
 
 

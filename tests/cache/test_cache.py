@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import make_model
 
-import oscar_hf.cache as cache_module
+import oscar_hf.cache.segments as segments
 from oscar_hf import (
     DynamicOscarLayer,
     OscarConfig,
@@ -118,9 +118,9 @@ def test_no_full_precision_copy_of_the_history_outlives_an_update():
 
 def test_history_grows_in_large_chunks(monkeypatch):
     grows = []
-    original = cache_module._Segment.grow
+    original = segments.Segment.grow
     monkeypatch.setattr(
-        cache_module._Segment, "grow", lambda self, used, cap: (grows.append(cap), original(self, used, cap))
+        segments.Segment, "grow", lambda self, used, cap: (grows.append(cap), original(self, used, cap))
     )
     layer = make_layer(sink_tokens=0, recent_tokens=0, flush_tokens=1)
     for t in range(3000):
@@ -212,7 +212,7 @@ def test_nbytes_and_bits_per_element_match_the_analytic_count():
     assert cache.config.bits_per_element(dim) == 2.25
     layer = cache.layers[0]
     capacity = layer.history.capacity
-    assert history <= capacity <= history + cache_module.HISTORY_GROWTH
+    assert history <= capacity <= history + segments.HISTORY_GROWTH
     assert layer.sink.capacity == 64 and 256 <= layer.recent.capacity <= 256 + 7
     windows = layer.sink.capacity + layer.recent.capacity
     per_side_bytes = windows * dim * 2 + capacity * (dim // 4 + 2 + 2)  # bf16 windows + codes + fp16 scale, zero

@@ -98,6 +98,9 @@ def test_scale_dtype_accepts_torch_dtypes(dtype, name):
         pytest.param(dict(key_quantization="per-head"), "key_quantization", id="key_quantization-per-head"),
         pytest.param(dict(key_quantization="per-channel", centering=False), "k_clip", id="per-channel-clipped"),
         pytest.param({**PER_CHANNEL, "quantizer": "lloyd-max"}, "quantizer", id="per-channel-lloyd-max"),
+        # choices given as lists (a JSON file's) are named, not a TypeError (unhashable)
+        pytest.param(dict(scale_dtype=["float16"]), "scale_dtype", id="scale_dtype-list"),
+        pytest.param(dict(key_quantization=["per-token"]), "key_quantization", id="key_quantization-list"),
     ],
 )
 def test_invalid_values_raise_naming_the_field(overrides, field):
@@ -110,6 +113,8 @@ def test_invalid_values_raise_naming_the_field(overrides, field):
 def test_from_dict_rejects_unknown_keys():
     with pytest.raises(ValueError, match="colour"):
         OscarConfig.from_dict({**OscarConfig().to_dict(), "colour": "red"})
+    with pytest.raises(ValueError, match="dict of its fields; got list"):
+        OscarConfig.from_json("[2]")
 
 
 def test_replace_returns_a_changed_copy():
@@ -171,6 +176,12 @@ def test_group_larger_than_head_dim_raises():
 )
 def test_bits_per_element(fields, seq_len, expected):
     assert OscarConfig(**fields).bits_per_element(128, seq_len) == pytest.approx(expected, abs=1e-4)
+
+
+@pytest.mark.parametrize("head_dim, seq_len, field", [(64, 0, "seq_len"), (64, -5, "seq_len"), (0, None, "head_dim")])
+def test_bits_per_element_of_no_tokens_or_no_channels_raises(head_dim, seq_len, field):
+    with pytest.raises(ValueError, match=rf"{field} must be"):
+        OscarConfig().bits_per_element(head_dim, seq_len)
 
 
 def test_per_channel_error_says_why():

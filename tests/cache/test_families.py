@@ -99,10 +99,10 @@ def test_kv_sharing_layers_read_the_producers_oscar_layer(monkeypatch):
                                                      id(key.layer))
         return forward(module, query, key, value, *args, **kwargs)
 
+    rotations = quick_calibrate(model, torch.randint(3, VOCAB, (2, 64)))
+    cache = OscarQuantizedCache.from_pretrained(rotations, model=model, sink_tokens=4, recent_tokens=8)
     transformers.AttentionInterface.register("oscar", spy)
     try:
-        rotations = quick_calibrate(model, torch.randint(3, VOCAB, (2, 64)))
-        cache = OscarQuantizedCache.from_pretrained(rotations, model=model, sink_tokens=4, recent_tokens=8)
         generate(model, cache)
     finally:
         attention.register()

@@ -33,6 +33,9 @@ REFUSED = {
     ),
     "all-chunked": (lambda: tiny("Llama4TextConfig", intermediate_size_mlp=64, attention_chunk_size=8,
                                  num_local_experts=2, no_rope_layers=[1, 1]), "nothing to quantize"),
+    # transformers' MiniMax raises on any cache but its own MiniMaxCache, inside the first forward
+    "minimax-own-cache": (lambda: tiny("MiniMaxConfig", num_local_experts=2,
+                                       layer_types=["linear_attention", "full_attention"]), "MiniMaxCache"),
 }
 
 
@@ -45,6 +48,25 @@ def test_refused_at_from_pretrained_with_a_clear_error(case):
     with pytest.raises(UnsupportedModelError, match=reason):
         OscarQuantizedCache.from_pretrained(OscarRotations.identity(model.config), model=model)
     assert model.config._attn_implementation != "oscar", "a refused model is left untouched"
+
+
+ATTENTION_FREE = {
+    "mamba": ("MambaConfig", dict(state_size=4)),
+    "mamba2": ("Mamba2Config", dict(state_size=4, num_heads=4, head_dim=16, n_groups=1)),
+    "falcon_mamba": ("FalconMambaConfig", dict(state_size=4)),
+    "rwkv": ("RwkvConfig", dict(attention_hidden_size=32, intermediate_size=64)),
+    "xlstm": ("xLSTMConfig", dict(num_heads=2)),
+}
+
+
+@pytest.mark.parametrize("model_type", list(ATTENTION_FREE))
+def test_attention_free_families_are_refused_for_having_no_attention(model_type):
+    """Pure state-space and recurrent models: nothing to quantize, whatever their modeling code routes."""
+    config_name, fields = ATTENTION_FREE[model_type]
+    config = getattr(transformers, config_name)(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, **fields)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(UnsupportedModelError, match=rf"\({model_type}\): .*no attention, so no K/V to quantize"):
+        check_model_supported(model)
 
 
 def test_encoder_decoder_refused():

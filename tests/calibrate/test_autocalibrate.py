@@ -3,6 +3,8 @@ bundle calibrates once, saves the bundle in the Hugging Face cache folder, and r
 the model's config, revision, the text and the settings; the recipe comes from the model."""
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -93,7 +95,7 @@ def test_the_key_follows_config_revision_text_budget_and_release_but_not_dtype(m
     rotations_for_model(load(model_dir), tokenizer, [austen(4000)[1000:]])  # other text
     rotations_for_model(load(model_dir), tokenizer, num_tokens=BUDGET // 2)  # another budget
     assert len(calibrations) == 5
-    monkeypatch.setattr(oscar_hf, "__version__", "99.0.0")  # another release calibrates again
+    monkeypatch.setattr(oscar_hf.autocalibrate, "__version__", "99.0.0")  # another release calibrates again
     rotations_for_model(load(model_dir), tokenizer)
     assert len(calibrations) == 6
     folders = bundles(hf_home)
@@ -119,6 +121,42 @@ def test_an_unreadable_bundle_is_made_again(model_dir, hf_home, calibrations):
     again = auto.cached_rotations(load(model_dir), char_tokenizer())
     assert again.calibrated and again.path == found.path and len(calibrations) == 2
     assert not auto.cached_rotations(load(model_dir), char_tokenizer()).calibrated
+
+
+def recipe_model() -> transformers.PreTrainedModel:
+    """The tiny model under SmolLM2-135M's name: its recipe, so no layout to choose (a quick calibration)."""
+    model = make_model(ARCH)
+    model.config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    return model
+
+
+@pytest.mark.parametrize("breakage", ["a JSON list", "no num_kv_heads"])
+def test_a_malformed_oscar_config_is_made_again(hf_home, calibrations, breakage):
+    found = auto.cached_rotations(recipe_model(), char_tokenizer())
+    config = found.path / "oscar_config.json"
+    metadata = json.loads(config.read_text())
+    if breakage == "a JSON list":
+        metadata = [metadata]
+    else:
+        del metadata["num_kv_heads"]
+    config.write_text(json.dumps(metadata))
+    again = auto.cached_rotations(recipe_model(), char_tokenizer())
+    assert again.calibrated and again.path == found.path and len(calibrations) == 2
+    assert not auto.cached_rotations(recipe_model(), char_tokenizer()).calibrated
+
+
+def test_a_killed_saves_build_folder_is_removed_by_a_later_call(hf_home, calibrations):
+    """Hidden folders (".<name>.oscar-tmp-<random>") that a killed save left beside a bundle are removed by a later
+    call once older than STALE_BUILD_SECONDS (a younger one may be a save under way, and is kept)."""
+    found = auto.cached_rotations(recipe_model(), char_tokenizer())
+    stale, fresh = (found.path.parent / f".{found.path.name}.oscar-tmp-{tag}" for tag in ("stale", "fresh"))
+    for folder in (stale, fresh):
+        folder.mkdir()
+        (folder / "rotations.safetensors").write_bytes(b"partial")
+    old = time.time() - auto.STALE_BUILD_SECONDS - 60
+    os.utime(stale, (old, old))
+    assert not auto.cached_rotations(recipe_model(), char_tokenizer()).calibrated
+    assert not stale.exists() and fresh.is_dir()
 
 
 def test_the_cache_folder_is_under_hf_home(hf_home):
@@ -181,8 +219,7 @@ def test_a_model_without_a_recipe_has_its_layout_chosen_on_held_out_text(model_d
 
 
 def test_a_model_with_a_recipe_keeps_the_recipes_layout(hf_home, calibrations):
-    model = make_model(ARCH)
-    model.config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the smollm2-135m recipe, by name
+    model = recipe_model()  # the smollm2-135m recipe, by name
     found = auto.cached_rotations(model, char_tokenizer())
     assert found.recipe == "smollm2-135m" and "layout" not in found.rotations.calibration
     assert found.rotations.config == recipe_for_model(model).cache

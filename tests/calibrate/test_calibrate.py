@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import VOCAB, austen, char_tokenizer, make_model, quick_calibrate, token_ids
+from helpers import VOCAB, austen, build_family, char_tokenizer, make_model, quick_calibrate, token_ids
 
 from oscar_hf import OscarConfig, OscarRotations, hadamard_matrix
 from oscar_hf.calibrate import bit_reversal_permutation, compose_rotation, rotation_from_covariance, token_chunks
@@ -182,14 +182,6 @@ def test_invalid_composition_raises(composition):
     u, values = random_eigensystem(8)
     with pytest.raises(ValueError, match="composition"):
         compose_rotation(u, values, composition)
-
-
-def test_non_power_of_two_head_dim_raises():
-    u, values = random_eigensystem(12)
-    with pytest.raises(ValueError, match="power-of-two"):
-        bit_reversal_permutation(values)
-    with pytest.raises(ValueError, match="power-of-two"):
-        compose_rotation(u, values, "UH")
 
 
 def test_rotation_from_covariance_orders():
@@ -464,11 +456,10 @@ def test_no_diagnostics_when_disabled(model):
     assert quick_calibrate(model, token_ids()).diagnostics is None
 
 
-def test_capture_restores_every_part_of_a_composite_models_attention():
-    """A composite model whose parts run different attention implementations gets each back after a capture."""
+def test_capture_puts_every_part_of_a_composite_model_on_the_oscar_attention():
+    """A composite model whose parts run different attention implementations is captured, and left on "oscar" in
+    every part, as enable leaves it."""
     import transformers
-
-    from oscar_hf.capture import _attention_implementations, run_capture
 
     config = transformers.Gemma3Config(
         text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
@@ -478,7 +469,6 @@ def test_capture_restores_every_part_of_a_composite_models_attention():
                            image_size=28, patch_size=14))
     model = transformers.Gemma3ForConditionalGeneration(config).eval()
     model.set_attn_implementation({"": "eager", "text_config": "eager", "vision_config": "sdpa"})
-    before = _attention_implementations(model.config)
     seen = []
 
     class Counter:
@@ -486,4 +476,24 @@ def test_capture_restores_every_part_of_a_composite_models_attention():
             seen.append(layer_idx)
 
     run_capture(model, Counter(), token_ids(1, 16))
-    assert seen == [0, 1] and _attention_implementations(model.config) == before
+    assert seen == [0, 1]
+    assert {config._attn_implementation for config in (model.config, config.text_config, config.vision_config)} == {
+        "oscar"}
+
+
+@pytest.mark.parametrize("family", ["gemma2-softcap", "gpt-oss-sinks"])
+def test_capture_runs_the_models_own_attention_softcap_and_sinks_included(family):
+    """Calibration sees what the model computes: Gemma-2's soft-capped and gpt-oss's sink logits are applied, so every
+    layer's attention output (what its o_proj receives) is that of a plain forward, bit for bit."""
+    model, ids = build_family(family), token_ids(1, 24)
+    outputs = []
+    hooks = [layer.self_attn.o_proj.register_forward_pre_hook(lambda module, args: outputs.append(args[0]))
+             for layer in model.model.layers]
+    model(ids)
+    run_capture(model, Recorder(), ids)
+    for hook in hooks:
+        hook.remove()
+    layers = len(model.model.layers)
+    assert len(outputs) == 2 * layers
+    for plain, captured in zip(outputs[:layers], outputs[layers:]):
+        torch.testing.assert_close(captured, plain, rtol=0, atol=0)

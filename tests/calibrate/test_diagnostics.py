@@ -2,6 +2,7 @@
 flush_tokens), centering on OscarConfig.centered_sides only; checked against the quantizer on synthetic K/V with
 outlier channels, and end to end on a tiny random model."""
 
+import json
 import math
 
 import pytest
@@ -144,3 +145,25 @@ def test_four_bit_keys_are_diagnosed_unclipped_as_the_cache_stores_them():
     center = k.mean(dim=2, keepdim=True)
     rows = quantize(k - center, bits=4, group_size=32, clip=1.0, scale_dtype=torch.float16)
     assert row["k_error"] == pytest.approx(relative_error(dequantize(rows, 4) + center, k), rel=1e-6)
+
+
+@pytest.mark.parametrize("content, match", [
+    pytest.param("[{\"layer\": 0,", r"diagnostics.json is not valid JSON", id="truncated"),
+    pytest.param({"layer": 0}, r"diagnostics.json must be a JSON list of per-layer rows; got dict", id="an-object"),
+    pytest.param([{"score_kl": 0.1}], r"diagnostics.json \(row 0\) lacks the field 'layer'", id="no-layer"),
+    pytest.param([{"layer": "0"}], r"diagnostics.json \(row 0\): the field 'layer' must be an integer", id="str-layer"),
+    pytest.param([dict.fromkeys(METRICS, 0.1) | {"layer": 0, "tokens": 64, "score_kl": None}],
+                 r"diagnostics.json \(row 0\): the field 'score_kl' must be a number", id="null-metric"),
+])
+def test_a_bundles_diagnostics_file_is_checked_naming_the_file_and_field(tmp_path, content, match):
+    """Rows as diagnose() writes them (or with some of its metrics) round-trip; a broken diagnostics.json raises a
+    ValueError naming it and the field, not a bare JSON error or a KeyError later."""
+    rows = [dict.fromkeys(METRICS, 0.5) | {"layer": 0, "tokens": 64}, {"layer": 1, "score_kl": 0.3}]
+    eye = torch.eye(D).expand(2, D, D)
+    bundle = OscarRotations(eye, eye, num_kv_heads=H)
+    bundle.diagnostics = rows
+    bundle.save_pretrained(tmp_path)
+    assert OscarRotations.from_pretrained(tmp_path).diagnostics == rows
+    (tmp_path / "diagnostics.json").write_text(content if isinstance(content, str) else json.dumps(content))
+    with pytest.raises(ValueError, match=match):
+        OscarRotations.from_pretrained(tmp_path)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import austen, make_model
 
-from oscar_hf import OscarConfig, OscarRotations, autocalibrate, calibrate, cli, load_recipe
+from oscar_hf import OscarConfig, OscarRotations, autocalibrate, calibrate, cli, load_recipe, models
 from oscar_hf.calibrate import EIGEN_ORDERS, K_TARGETS, V_TARGETS
 from oscar_hf.cli import main
 from oscar_hf.recipes import available_recipes
@@ -29,6 +29,17 @@ def data_file(tmp_path_factory) -> str:
 def run_calibrate(model_dir, data, out, *extra):
     main(["calibrate", model_dir, "--data", str(data), "--out", str(out), "--num-tokens", "300", "--max-length", "128",
           "--dtype", "float32", *extra])
+
+
+def error_line(capsys, argv) -> str:
+    """The line oscar-hf ends with on bad input: ``oscar-hf: error: ...``, exit status 2, no traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err, err
+    line = err.strip().splitlines()[-1]  # (after any progress bar)
+    assert line.startswith("oscar-hf: error: "), err
+    return line.removeprefix("oscar-hf: error: ")
 
 
 @pytest.fixture(scope="module")
@@ -84,18 +95,16 @@ def test_calibrate_chooses_the_layout_of_a_model_without_a_recipe(model_dir, tmp
     (["--bit-budget", "3", "--no-choose-layout"], "--bit-budget is the budget of --choose-layout"),
     (["--choose-layout", "--key-bits", "4"], "chooses K's bits itself"),
 ])
-def test_calibrate_refuses_contradicting_layout_options(model_dir, data_file, tmp_path, extra, message):
-    with pytest.raises(SystemExit, match=message):
-        run_calibrate(model_dir, data_file, tmp_path / "out", *extra)
+def test_calibrate_refuses_contradicting_layout_options(model_dir, data_file, tmp_path, capsys, extra, message):
+    assert message in error_line(capsys, ["calibrate", model_dir, "--data", data_file, *extra])
 
 
-def test_calibrate_recommends_key_bits_for_the_most_sensitive_layers(model_dir, data_file, tmp_path):
+def test_calibrate_recommends_key_bits_for_the_most_sensitive_layers(model_dir, data_file, tmp_path, capsys):
     run_calibrate(model_dir, data_file, tmp_path / "half", "--key-bits", "4", "--key-bits-fraction", "0.5")
     bundle = OscarRotations.from_pretrained(tmp_path / "half")
     kl = [row["score_kl"] for row in bundle.diagnostics]
     assert bundle.config.key_bits == 4 and bundle.config.key_bits_layers == [kl.index(max(kl))]
-    with pytest.raises(SystemExit, match="needs --key-bits"):
-        run_calibrate(model_dir, data_file, tmp_path / "bad", "--key-bits-fraction", "0.5")
+    assert "needs --key-bits" in error_line(capsys, ["calibrate", model_dir, "--key-bits-fraction", "0.5"])
 
 
 def test_calibrate_per_head_from_the_flag_or_the_recipe(model_dir, data_file, tmp_path, capsys):
@@ -161,29 +170,27 @@ def test_jsonl_data(model_dir, tmp_path):
     assert json.loads((tmp_path / "out" / "oscar_config.json").read_text())["calibration"]["tokens"] == 300
 
 
-def test_folder_of_txt_data(model_dir, tmp_path):
+def test_folder_of_txt_data(model_dir, tmp_path, capsys):
     (tmp_path / "texts").mkdir()
     for i in range(3):
         (tmp_path / "texts" / f"{i}.txt").write_text(austen(1200)[i * 400:(i + 1) * 400])
     run_calibrate(model_dir, tmp_path / "texts", tmp_path / "out")
     assert json.loads((tmp_path / "out" / "oscar_config.json").read_text())["calibration"]["tokens"] == 300
     (tmp_path / "empty").mkdir()
-    with pytest.raises(SystemExit, match="has no .txt files"):
-        run_calibrate(model_dir, tmp_path / "empty", tmp_path / "out")
+    assert error_line(capsys, ["calibrate", model_dir, "--data", tmp_path / "empty"]) == (
+        f"{tmp_path / 'empty'} has no .txt files")
 
 
-def test_jsonl_line_without_text_exits(model_dir, tmp_path):
+def test_jsonl_line_without_text_exits(model_dir, tmp_path, capsys):
     data = tmp_path / "data.jsonl"
     data.write_text('{"text": "Emma"}\n{"content": "Woodhouse"}\n')
-    with pytest.raises(SystemExit, match="must be a JSON object with a 'text' field"):
-        run_calibrate(model_dir, data, tmp_path / "out")
+    assert error_line(capsys, ["calibrate", model_dir, "--data", data]) == (
+        f"{data}, line 2: every line must be a JSON object with a 'text' string")
 
 
 def test_bad_k_target_exits_2(model_dir, data_file, tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        run_calibrate(model_dir, data_file, tmp_path / "out", "--k-target", "kkt")
-    assert exit_info.value.code == 2
-    assert "error: k_target must be one of" in capsys.readouterr().err
+    argv = ["calibrate", model_dir, "--data", data_file, "--out", tmp_path / "out", "--k-target", "kkt"]
+    assert error_line(capsys, argv).startswith("k_target must be one of")
     assert not (tmp_path / "out").exists()
 
 
@@ -191,10 +198,7 @@ def test_bad_k_target_exits_2(model_dir, data_file, tmp_path, capsys):
 def test_info_without_a_bundle_exits_2(tmp_path, capsys, which):
     if which == "empty":
         (tmp_path / which).mkdir()
-    with pytest.raises(SystemExit) as exit_info:
-        main(["info", str(tmp_path / which)])
-    assert exit_info.value.code == 2
-    assert capsys.readouterr().err.startswith("error: ")
+    assert str(tmp_path / which) in error_line(capsys, ["info", tmp_path / which])
 
 
 def test_info_of_a_truncated_bundle_is_one_line_naming_the_file(bundle_dir, tmp_path, capsys):
@@ -204,11 +208,82 @@ def test_info_of_a_truncated_bundle_is_one_line_naming_the_file(bundle_dir, tmp_
     shutil.copytree(bundle_dir, broken)
     weights = broken / "rotations.safetensors"
     weights.write_bytes(weights.read_bytes()[:64])
-    with pytest.raises(SystemExit) as exit_info:
-        main(["info", str(broken)])
+    assert error_line(capsys, ["info", broken]).startswith(f"{weights} is not a readable safetensors file")
+
+
+# ----------------------------------------------------------------------------------- bad input: one line
+def test_a_model_neither_a_folder_nor_in_the_hub_cache_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    """Offline (tests/conftest.py), with an empty Hugging Face cache: the model, and the ways to get it."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    line = error_line(capsys, ["generate", "nobody/no-such-model"])
+    assert line.startswith("nobody/no-such-model is neither a model folder nor a model transformers could get")
+    assert "hf download nobody/no-such-model" in line and "smollm2" in line
+    assert error_line(capsys, ["generate", tmp_path / "missing" / "model"]) == (
+        f"{tmp_path / 'missing' / 'model'}: no such model folder")
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Bad --data must be refused before the model loads."""
+    monkeypatch.setattr(cli, "load_model", lambda name, dtype: pytest.fail("the model loaded"))
+
+
+@pytest.mark.parametrize("name", ["emma.txtt", "texts/emma.txt"])
+def test_a_misspelled_data_path_says_the_file_does_not_exist(tmp_path, monkeypatch, capsys, no_model, name):
+    """A name with a text file's suffix is a path; another one that is no file is tried as a datasets id (offline
+    here), and the error says both."""
+    monkeypatch.chdir(tmp_path)
+    line = error_line(capsys, ["calibrate", "m", "--data", name])
+    assert line.startswith(f"{name}: no such file or folder"), line
+    if name == "emma.txtt":
+        assert "no datasets id that loads (Couldn't reach 'emma.txtt'" in line
+
+
+BINARY = b"\x89PNG\r\n\x1a\n\x00\xff"
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("data.txt", BINARY, "{path} is not UTF-8 text (byte 0: invalid start byte)"),
+    ("data.jsonl", BINARY, "{path} is not UTF-8 text (byte 0: invalid start byte)"),
+    ("data.jsonl", b'{"text": "Emma"}\n{"text": "Harriet"\n',
+     "{path}, line 2: not JSON (Expecting ',' delimiter: line 1 column 19 (char 18))"),
+    ("data.txt", b"\n  \n", "{path} holds no text"),
+    ("data.jsonl", b'{"text": ""}\n\n', "{path} holds no text"),
+])
+def test_unreadable_or_empty_data_names_the_file(tmp_path, capsys, no_model, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content)
+    assert error_line(capsys, ["calibrate", "m", "--data", path]) == message.format(path=path)
+
+
+def test_data_far_below_the_budget_is_calibrated_with_a_warning(model_dir, tmp_path, capsys):
+    data = tmp_path / "one-line.txt"
+    data.write_text("Emma Woodhouse, handsome, clever, and rich, with a comfortable home.\n")
+    main(["calibrate", model_dir, "--data", str(data), "--out", str(tmp_path / "out"), "--dtype", "float32"])
     err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
-    assert err.startswith(f"error: {weights} is not a readable safetensors file")
+    assert (f"oscar-hf: warning: {data} gave 70 calibration tokens, under half the budget of 30,000 (--num-tokens)"
+            in err)
+    main(["calibrate", model_dir, "--data", str(data), "--out", str(tmp_path / "out"), "--num-tokens", "100"])
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_a_malformed_bundle_is_one_line_in_every_command(model_dir, tmp_path, capsys):
+    """Whatever a bundle's loader raises on a broken folder (here: a folder where its config file should be), each
+    command that reads one ends in one line."""
+    broken = tmp_path / "broken"
+    (broken / "oscar_config.json").mkdir(parents=True)
+    (broken / "rotations.safetensors").write_bytes(b"")
+    for argv in (["info", broken], ["generate", model_dir, "--rotations", broken],
+                 ["eval", "--model", model_dir, "--rotations", broken, "--out", tmp_path / "out"]):
+        assert "oscar_config.json" in error_line(capsys, argv), argv
+
+
+def test_main_turns_any_multi_line_error_into_one_line(monkeypatch, capsys):
+    def info(args):
+        raise OSError("first line\nsecond line")
+
+    monkeypatch.setattr(cli, "cmd_info", info)
+    assert error_line(capsys, ["info", "x"]) == "first line second line"
 
 
 def test_calibrate_without_data_recipe_or_out(model_dir, tmp_path, monkeypatch, capsys):
@@ -245,16 +320,16 @@ def test_generate_without_rotations_calibrates_once_and_reuses(model_dir, tmp_pa
         assert "identical for the first 4 of 4 generated tokens" in capsys.readouterr().out
         assert ("calibrating" in caplog.text) == (run == 0), caplog.text
         assert ("calibrated earlier" in caplog.text) == (run == 1), caplog.text
-    assert len(list((tmp_path / "hf" / "oscar-hf" / "rotations").glob("*/*"))) == 1
+    assert len([path for path in (tmp_path / "hf" / "oscar-hf" / "rotations").glob("*/*") if path.is_dir()]) == 1
 
 
 def test_generate_default_dtype_is_exact_on_the_device(monkeypatch):
     args = cli.build_parser().parse_args(["generate", "m"])
     assert (args.dtype, args.rotations, args.prompt) == ("auto", "auto", None)
-    assert cli.resolve_dtype("auto") == torch.float32  # a CPU: fp32 (the windows then match the default cache)
+    assert models.resolve_dtype("auto") == torch.float32  # a CPU: fp32 (the windows then match the default cache)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert cli.resolve_dtype("auto") == torch.bfloat16
-    assert cli.resolve_dtype("float16") == torch.float16
+    assert models.resolve_dtype("auto") == torch.bfloat16
+    assert models.resolve_dtype("float16") == torch.float16
 
 
 def help_entries(parser) -> dict[str, str]:

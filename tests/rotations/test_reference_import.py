@@ -1,12 +1,14 @@
-"""OscarRotations.from_reference: the OSCAR reference's rotation files (oscar_method.md §1.6), read safely."""
+"""OscarRotations.from_reference: the OSCAR reference's rotation files (oscar_method.md §1.6; its per-head fitting
+script's JSON; the optional q_rotation, o_rotation and k_mean), read safely."""
 
+import json
 import pickle
 
 import pytest
 import torch
 from helpers import make_model
 
-from oscar_hf import OscarQuantizedCache, OscarRotations
+from oscar_hf import OscarConfig, OscarQuantizedCache, OscarRotations
 
 LAYERS, DIM = 2, 128
 
@@ -184,3 +186,78 @@ def test_files_for_a_model_with_per_layer_head_dims(tmp_path):
                                                 for i in (1, 3)}}, path)
     with pytest.raises(ValueError, match="layer 1's rotation is 16-dimensional; the model's layer 1 has head_dim 32"):
         OscarRotations.from_reference(path, path, model_config=config)
+
+
+def per_head_json(path, rotation, **extra):
+    """A file as the reference's per-head fitting script writes it: JSON, layer ids as strings, ``rotation``
+    ``[H_kv][D][D]`` as nested lists, no eigenvalues; ``extra`` fields added to every layer entry."""
+    layers = {str(i): {"layer_id": i, "rotation": r.tolist(), **{k: v[i] for k, v in extra.items()}}
+              for i, r in enumerate(rotation)}
+    path.write_text(json.dumps({"format_version": 2, "objective": "cov_eig_hadamard_perhead",
+                                "source_grouping": "per_kv_head", "layers": layers}))
+    return path
+
+
+def per_head_rotations(seed: int) -> torch.Tensor:
+    """``[2 layers, 2 KV heads, 64, 64]``: llama-mha-d64's geometry."""
+    return torch.linalg.qr(torch.randn(2, 2, 64, 64, generator=torch.Generator().manual_seed(seed))).Q
+
+
+def test_per_head_json_files_without_eigenvalues_serve_a_cache(tmp_path):
+    model = make_model("llama-mha-d64")
+    k, v = per_head_rotations(7), per_head_rotations(8)
+    bundle = OscarRotations.from_reference(per_head_json(tmp_path / "k.json", k), per_head_json(tmp_path / "v.json", v),
+                                           model_config=model.config)
+    assert bundle.per_head and bundle.key_rotation.shape == (2, 2, 64, 64)
+    assert torch.equal(bundle.key_rotation, k) and torch.equal(bundle.value_rotation, v)
+    assert torch.equal(bundle.key_eigenvalues, torch.zeros(2, 2, 64)) and bundle.config is None
+    assert bundle.calibration["key_objective"] == "cov_eig_hadamard_perhead"
+    cache = OscarQuantizedCache.from_pretrained(bundle, model=model)
+    assert torch.equal(cache.layers[1].value_rotation, v[1])
+
+
+@pytest.mark.parametrize("name", ["q_rotation", "o_rotation"])
+def test_q_and_o_rotations_are_read_and_must_be_the_identity(tmp_path, name):
+    """The cache applies K's rotation to Q and V's inverse to the output, no other: an identity (or null) is taken,
+    anything else refused by name rather than dropped."""
+    config = make_model("llama-mha-d64").config
+    k, v = per_head_rotations(7), per_head_rotations(8)
+    v_file = per_head_json(tmp_path / "v.json", v)
+    identity = per_head_json(tmp_path / "k.json", k, **{name: [torch.eye(64).expand(2, 64, 64).tolist(), None]})
+    assert torch.equal(OscarRotations.from_reference(identity, v_file, model_config=config).key_rotation, k)
+    rotated = per_head_json(tmp_path / "k.json", k, **{name: [torch.eye(64).tolist(), k[1, 0].tolist()]})
+    with pytest.raises(ValueError, match=rf"k.json: layer 1's {name} is not the identity"):
+        OscarRotations.from_reference(rotated, v_file, model_config=config)
+    torch.save({"format_version": 1, name: torch.eye(64).flip(0),
+                "layers": {i: {"rotation": torch.eye(64), "eigenvalues": torch.zeros(64)} for i in range(2)}},
+               tmp_path / "k.pt")
+    with pytest.raises(ValueError, match=rf"k.pt: the file's {name} is not the identity"):
+        OscarRotations.from_reference(tmp_path / "k.pt", v_file, model_config=config)
+
+
+def test_k_mean_becomes_the_caches_per_sequence_key_centering(tmp_path):
+    """A fixed key mean maps to OscarConfig.centering (each sequence's own mean), recorded in the bundle, which
+    serves a cache that centers K."""
+    model = make_model("llama-mha-d64")
+    k, v = per_head_rotations(7), per_head_rotations(8)
+    k_file = per_head_json(tmp_path / "k.json", k, k_mean=torch.randn(2, 2, 64).tolist())
+    bundle = OscarRotations.from_reference(k_file, per_head_json(tmp_path / "v.json", v), model_config=model.config)
+    assert bundle.config == OscarConfig(centering=True) and "k_mean" in bundle.calibration["key_centering"]
+    assert "key" in OscarQuantizedCache.from_pretrained(bundle, model=model).config.centered_sides
+    per_head_json(k_file, k, k_mean=[[[1.0, 2.0], [3.0]], [[0.0]]])
+    with pytest.raises(ValueError, match="k.json: layer 0's k_mean is not a numeric array"):
+        OscarRotations.from_reference(k_file, tmp_path / "v.json", model_config=model.config)
+
+
+@pytest.mark.parametrize("content, match", [
+    pytest.param('{"format_version": 2, "layers": {"0": ', "k.json is not valid JSON", id="truncated"),
+    pytest.param('{"layers": {"0": {"rotation": [[1.0, 0.0], [0.0]]}}}', "k.json: layer 0's rotation is not a "
+                 "numeric array", id="ragged"),
+    pytest.param('{"layers": {"first": {"rotation": [[1.0]]}}}', "k.json: layer ids must be integers", id="ids"),
+    pytest.param('{"layers": {"0": {"eigenvalues": [1.0]}}}', "k.json: every layer entry needs a 'rotation'",
+                 id="no-rotation"),
+])
+def test_a_malformed_json_file_names_the_file_and_the_field(tmp_path, content, match):
+    (tmp_path / "k.json").write_text(content)
+    with pytest.raises(ValueError, match=match):
+        OscarRotations.from_reference(tmp_path / "k.json", tmp_path / "k.json", num_kv_heads=2)

@@ -1,10 +1,13 @@
-"""oscar_hf.rotations: Hadamard matrices, data-free bundles, save/load (local, subfolder, Hub cache), validation."""
+"""oscar_hf.rotations: data-free bundles, save/load (local, subfolder, Hub cache; atomic saves),
+validation of the files read."""
 
 import copy
 import functools
 import hashlib
 import json
+import logging
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -14,9 +17,10 @@ import torch
 from helpers import make_model
 from safetensors.torch import load_file
 
+import oscar_hf.rotations
 from oscar_hf import OscarQuantizedCache
 from oscar_hf.config import OscarConfig
-from oscar_hf.rotations import OscarRotations, hadamard_matrix
+from oscar_hf.rotations import OscarRotations, hadamard_matrix, remove_stale_temporaries
 
 TENSOR_NAMES = ("key_rotation", "value_rotation", "key_eigenvalues", "value_eigenvalues")
 
@@ -50,22 +54,6 @@ def assert_same_bundle(loaded: OscarRotations, saved: OscarRotations):
         assert torch.equal(getattr(loaded, name), getattr(saved, name)), name
     for name in ("num_kv_heads", "source_model", "method", "calibration", "config", "per_head"):
         assert getattr(loaded, name) == getattr(saved, name), name
-
-
-# ---------------------------------------------------------------------------------------------- hadamard
-@pytest.mark.parametrize("n", [1, 2, 64, 128, 256], ids=lambda n: f"n{n}")
-def test_hadamard_is_orthonormal_symmetric_pm_one_over_sqrt_n(n):
-    h = hadamard_matrix(n)
-    assert h.shape == (n, n)
-    torch.testing.assert_close(h @ h.T, torch.eye(n, dtype=h.dtype))
-    assert torch.equal(h, h.T)
-    torch.testing.assert_close(h.abs(), torch.full_like(h, n**-0.5), rtol=1e-15, atol=0)
-
-
-@pytest.mark.parametrize("n", [0, 96, 100], ids=lambda n: f"n{n}")
-def test_hadamard_rejects_non_powers_of_two(n):
-    with pytest.raises(ValueError, match="head_dim"):
-        hadamard_matrix(n)
 
 
 # ------------------------------------------------------------------------------------- data-free bundles
@@ -144,6 +132,73 @@ def test_save_load_round_trip(tmp_path, per_head):
     loaded = OscarRotations.from_pretrained(tmp_path / "bundle")
     assert_same_bundle(loaded, bundle)
     assert loaded.per_head is per_head
+
+
+def test_a_save_replaces_the_whole_bundle_with_a_plain_folders_permissions(tmp_path):
+    """A second save into a folder leaves none of the first bundle's files (a Hadamard bundle over a calibrated one
+    reloads without its diagnostics), and the folder and files get a plain mkdir's and open's modes (umask 022), not
+    the temporary folder's 0o700; no hidden folder stays beside it."""
+    path = tmp_path / "bundle"
+    calibrated = random_bundle()
+    calibrated.diagnostics = [{"layer": 0, "k_error": 0.1}]
+    calibrated.save_pretrained(path)
+    assert (path / "diagnostics.json").is_file()
+    umask = os.umask(0o022)
+    try:
+        OscarRotations.hadamard(_tiny_config(num_key_value_heads=2)).save_pretrained(path)
+    finally:
+        os.umask(umask)
+    assert sorted(os.listdir(path)) == ["README.md", "oscar_config.json", "rotations.safetensors"]
+    loaded = OscarRotations.from_pretrained(path)
+    assert loaded.method == "hadamard" and loaded.diagnostics is None
+    assert stat.S_IMODE(path.stat().st_mode) == 0o755
+    assert {stat.S_IMODE(f.stat().st_mode) for f in path.iterdir()} == {0o644}
+    assert os.listdir(tmp_path) == ["bundle"]
+
+
+def test_an_interrupted_save_leaves_the_bundle_as_it_was(tmp_path, monkeypatch):
+    """Killed after the new rotations.safetensors is written, a save leaves the old bundle whole (not the new rotations
+    beside the old oscar_config.json), and cleans up after itself."""
+    path = tmp_path / "bundle"
+    old = random_bundle()
+    old.save_pretrained(path)
+    real_save_file = oscar_hf.rotations.save_file
+
+    def killed_after_writing(*args, **kwargs):
+        real_save_file(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(oscar_hf.rotations, "save_file", killed_after_writing)
+    with pytest.raises(KeyboardInterrupt):
+        OscarRotations.hadamard(_tiny_config(num_key_value_heads=2)).save_pretrained(path)
+    assert_same_bundle(OscarRotations.from_pretrained(path), old)
+    assert os.listdir(tmp_path) == ["bundle"]
+
+
+def test_saving_over_a_folder_of_other_files_is_refused(tmp_path):
+    """A model folder is not replaced by a bundle: its files stay, and the error names them."""
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(FileExistsError, match=r"not a rotation bundle's \(config.json, model.safetensors\)"):
+        random_bundle().save_pretrained(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+    assert (tmp_path / "model.safetensors").read_bytes() == b"weights"
+
+
+def test_remove_stale_temporaries_removes_old_hidden_save_folders_only(tmp_path):
+    """What killed saves leave (``.<name>.oscar-tmp-*``, with a renamed-aside old bundle) goes once older than the
+    limit; a young one (a save under way), the bundle itself and other hidden folders stay."""
+    stale = [tmp_path / ".bundle.oscar-tmp-k1ll3d", tmp_path / ".bundle.oscar-tmp-k1ll3d-old"]
+    young, other = tmp_path / ".bundle.oscar-tmp-wr1t1ng", tmp_path / ".git"
+    for folder in (*stale, young, other, tmp_path / "bundle"):
+        folder.mkdir()
+        (folder / "rotations.safetensors").write_bytes(b"partial")
+    hour_ago = time.time() - 3600
+    for folder in (*stale, other):
+        os.utime(folder, (hour_ago, hour_ago))
+    assert sorted(remove_stale_temporaries(tmp_path, older_than_s=600)) == sorted(stale)
+    assert sorted(os.listdir(tmp_path)) == [".bundle.oscar-tmp-wr1t1ng", ".git", "bundle"]
+    assert remove_stale_temporaries(tmp_path / "missing") == []
 
 
 def test_a_bundle_in_the_first_format_loads(tmp_path):
@@ -324,6 +379,50 @@ def test_invalid_json_raises(tmp_path):
         OscarRotations.from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("edit, match", [
+    pytest.param(lambda m: [m], r"oscar_config.json must be a JSON object; got list", id="a-list"),
+    pytest.param(lambda m: {k: v for k, v in m.items() if k != "num_kv_heads"},
+                 r"oscar_config.json lacks the field 'num_kv_heads'", id="no-num_kv_heads"),
+    pytest.param(lambda m: m | {"num_kv_heads": None}, r"oscar_config.json: the field 'num_kv_heads' must be .*None",
+                 id="null-num_kv_heads"),
+    pytest.param(lambda m: m | {"num_kv_heads": "2"}, r"oscar_config.json: the field 'num_kv_heads' must be .*'2'",
+                 id="string-num_kv_heads"),
+    pytest.param(lambda m: m | {"calibration": [1]}, r"oscar_config.json: the field 'calibration' must be",
+                 id="list-calibration"),
+    pytest.param(lambda m: m | {"config": {"scale_dtype": ["float16"]}},
+                 r"oscar_config.json: the field 'config': OscarConfig.scale_dtype must be", id="list-scale_dtype"),
+    pytest.param(lambda m: m | {"key_codebook_bits": "1"}, r"oscar_config.json: the field 'key_codebook_bits'",
+                 id="string-key_codebook_bits"),
+])
+def test_malformed_metadata_names_the_file_and_the_field(tmp_path, edit, match):
+    random_bundle().save_pretrained(tmp_path)
+    path = tmp_path / "oscar_config.json"
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+    with pytest.raises(ValueError, match=match):
+        OscarRotations.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("content", [b'{"format_version": 1,', b"\x80\x81 not text", b""], ids=repr)
+def test_metadata_that_is_not_json_names_the_file(tmp_path, content):
+    random_bundle().save_pretrained(tmp_path)
+    (tmp_path / "oscar_config.json").write_bytes(content)
+    with pytest.raises(ValueError, match="oscar_config.json is not valid JSON"):
+        OscarRotations.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.int32, torch.float64], ids=str)
+def test_rotations_of_another_dtype_are_refused_by_name(tmp_path, dtype):
+    """A bundle stores float32: another dtype is named (fp16 rotations would fail the orthogonality check instead)."""
+    from safetensors.torch import save_file
+
+    random_bundle().save_pretrained(tmp_path)
+    weights = tmp_path / "rotations.safetensors"
+    tensors = load_file(weights)
+    save_file(tensors | {"key_rotation": tensors["key_rotation"].to(dtype)}, str(weights))
+    with pytest.raises(ValueError, match=rf"rotations.safetensors: the tensor 'key_rotation' is {dtype}"):
+        OscarRotations.from_pretrained(tmp_path)
+
+
 def test_loading_errors_name_the_problem(tmp_path, monkeypatch):
     """A missing local folder, an unreachable name offline, a missing subfolder and a truncated weights file each
     fail at once with an error that names what is wrong."""
@@ -353,6 +452,24 @@ def test_a_mismatch_names_the_model_the_bundle_was_made_for():
     bundle.source_model = "org/tiny"
     with pytest.raises(ValueError, match=r"num_layers is 2 in the bundle \(made for org/tiny\) but 3 in this model"):
         bundle.check_compatible(other)
+
+
+def test_a_bundle_made_for_another_model_of_the_same_shape_warns_once(caplog):
+    """Both name their model: a warning naming both, once; a Hub id and a local path (a download or conversion of
+    it) are not compared, and the same name does not warn."""
+    config = _tiny_config()
+    config._name_or_path = "org/served-model"
+    bundle = OscarRotations.identity(config)
+    with caplog.at_level(logging.WARNING, logger="oscar_hf.rotations"):
+        for source in (None, "org/served-model", "/models/calibrated-model"):
+            bundle.source_model = source
+            bundle.check_compatible(config)
+        assert not caplog.records
+        bundle.source_model = "org/calibrated-model"
+        bundle.check_compatible(config)
+        bundle.check_compatible(config)
+    (record,) = caplog.records
+    assert "made for org/calibrated-model, not for org/served-model" in record.getMessage()
 
 
 def _tiny_config(**overrides):

@@ -3,18 +3,16 @@ programs. Pure Python; the measurements behind each rule are in ``docs/kernels/d
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from ..packed import PackedKV
 from ..utils import sm_count, triton_runs_on
-from .cuda import HEAD_DIMS as CUDA_HEAD_DIMS
 
 DTYPES = (torch.bfloat16, torch.float16)  # the kernel's query and window dtypes
 WINDOW_BLOCK = {64: 32, 128: 32, 256: 16, 512: 16}  # sink/recent tile rows per head_dim (shared memory < 40 KiB)
 MAX_QUERY_ROWS = 32  # query heads x query tokens per program of a several-token call (accumulator registers)
-HISTORY_KERNELS = ("triton", "cuda")
 SHORT_HISTORY_TILES = 8  # history programs of at most this many tiles are "short" (window programs finish last)
 
 
@@ -37,8 +35,6 @@ class DecodeConfig:
         window_prefetch: window programs ask L2 for their rows first (None: :func:`window_prefetch`'s rule).
         max_history_programs_per_sm: a cap where window programs are few but not rare (0: none).
         window_tiles: tiles per sink/recent chunk (None: :func:`plan`'s rule, 1 or 2).
-        history_kernel: which kernel runs the history programs: "triton", or "cuda" (:mod:`.cuda`) where it serves
-            the call (else Triton's).
     """
 
     block_n: int = 64
@@ -53,12 +49,8 @@ class DecodeConfig:
     window_prefetch: bool | None = None
     max_history_programs_per_sm: float = 0.0
     window_tiles: int | None = None
-    history_kernel: str = "triton"
 
     def __post_init__(self):
-        if self.history_kernel not in HISTORY_KERNELS:
-            raise ValueError(f"DecodeConfig.history_kernel must be one of {HISTORY_KERNELS}; got "
-                             f"{self.history_kernel!r}")
         if self.programs_per_sm < 1 or self.max_history_programs_per_sm < 0:
             raise ValueError("DecodeConfig needs programs_per_sm >= 1 and max_history_programs_per_sm >= 0 (0: no "
                              f"cap); got {self.programs_per_sm} and {self.max_history_programs_per_sm}")
@@ -80,16 +72,6 @@ def default_config(batch: int, head_dim: int, query_len: int = 1) -> DecodeConfi
                         min_program_tiles=24 if one_token_d128 else 0,
                         max_registers=168 if head_dim <= 128 else None,
                         max_history_programs_per_sm=7.7 if one_token_d128 else 0.0)
-
-
-def cuda_config(batch: int, head_dim: int) -> DecodeConfig:
-    """:func:`default_config` with the history programs in CUDA (:mod:`.cuda`) and their plan: 16 programs per SM, none
-    of the Triton plan's rules for short programs or its cap. Head dims the CUDA kernel does not take keep
-    :func:`default_config` (their calls run Triton's history programs)."""
-    if head_dim not in CUDA_HEAD_DIMS:
-        return default_config(batch, head_dim)
-    return replace(default_config(batch, head_dim), history_kernel="cuda", programs_per_sm=16, min_program_tiles=0,
-                   max_history_programs_per_sm=0.0)
 
 
 def plan_splits(batch_heads: int, n_hist: int, hist_bytes: int, cfg: DecodeConfig, sms: int,

@@ -70,7 +70,7 @@ def model_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 def attend(module: torch.nn.Module, query: torch.Tensor, packed: PackedKV, new_key: torch.Tensor,
            new_value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None,
            fill=None, softcap: float | None = None, sinks: torch.Tensor | None = None,
-           window: int | None = None) -> torch.Tensor:
+           window: int | None = None, order: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of queries over ``sink ‖ dequantized history ‖ recent``, all in the model's basis (the history
     rotated back): where no token has reached the history, this is SDPA over the model's own K and V.
 
@@ -86,12 +86,18 @@ def attend(module: torch.nn.Module, query: torch.Tensor, packed: PackedKV, new_k
         window: a sliding-window layer's window: only the last ``window - 1 + q`` keys are read (the ones its
             queries can see; the mask hides the older ones a layer may still hold), as transformers' own layer
             holds them.
+        order: int64 ``[B, >= T]``, the model's position of each stored position where the storage holds a row's
+            tokens in another order (a left-padded prompt: :mod:`oscar_hf.cache.padding`), or None: K and V are put
+            back in the model's order, so that attention matches the model's to the bit where nothing is quantized.
     Returns:
         ``[B, q, Hq, D]``.
     """
     past = sum(packed.lengths()[:3]) - new_key.shape[2]
     k, v = (materialize(packed, side, past, new=new, fill=fill)
             for side, new in (("key", new_key), ("value", new_value)))
+    if order is not None:
+        index = order[:, None, : k.shape[2], None].expand(k.shape)
+        k, v = torch.empty_like(k).scatter_(2, index, k), torch.empty_like(v).scatter_(2, index, v)
     q_len, kv_len = query.shape[2], k.shape[2]
     visible = kv_len if window is None else min(kv_len, window - 1 + q_len)
     if attention_mask is not None:

@@ -26,8 +26,6 @@ The layout tricks and the measurements behind them are in ``docs/kernels/decode.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import triton
 import triton.language as tl
@@ -35,7 +33,6 @@ import triton.language as tl
 from ..packed import PackedKV
 from ..triton_utils import dot, prefetch_window, to_nearest_even
 from ..utils import has_pdl, on_device_of
-from . import cuda
 from .launch import WINDOW_BLOCK, DecodeConfig, default_config, plan, window_prefetch
 
 LOG2E = 1.4426950408889634
@@ -833,20 +830,8 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
                          f"{[t.stride() for t in history[1:3] + history[4:6]]}")
     hist_strides = history[0].stride()[:2] + history[3].stride()[:2] + history[1].stride()[:2]
     mu = (*center, *center[0].stride()[:2]) if center else (mask, mask, 0, 0)
-    # the history programs in CUDA where asked for and served: then Triton's grid holds the window programs only
-    stages = max(cfg.num_stages, 2)
-    cuda_history = cfg.history_kernel == "cuda" and not interpreting and hist_splits > 0
-    if cuda_history:
-        reason = cuda.unserved(query, rotated_query, history, key_bits, value_bits, group, softcap, cfg.block_n,
-                               stages)
-        if reason is not None:
-            warnings.warn(f"the CUDA history kernel does not serve this call ({reason}); Triton's history programs "
-                          "do", RuntimeWarning, stacklevel=3)
-        cuda_history = reason is None and cuda.compiled(query.device.index, d, key_bits, value_bits,
-                                                       query.dtype == torch.float16, cfg.block_n, stages,
-                                                       attention_mask is not None)
     with on_device_of(query):
-        _decode_stage1_kernel[(batch * heads, total - hist_splits if cuda_history else total)](
+        _decode_stage1_kernel[(batch * heads, total)](
             query, *query.stride()[:3], rotated_query, *rotated_query.stride()[:3],
             _storage(sink_k), _storage(sink_v), *sink_k.stride()[:3],
             _storage(rec_k), _storage(rec_v), *rec_k.stride()[:3],
@@ -867,9 +852,6 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
             num_stages=cfg.num_stages, launch_pdl=pdl,
             **({"maxnreg": cfg.max_registers} if cfg.max_registers and not interpreting else {}),
         )
-        if cuda_history:
-            cuda.history(rotated_query, history, None if attention_mask is None else mask, part_o, part_lse, counts,
-                         hist_splits, total, scaling * LOG2E, key_bits, value_bits, cfg.block_n, stages)
         _decode_stage2_kernel[(batch * hq * q_len, d // 32)](
             part_o, part_lse, out, out_hist, total, total - hist_splits, rotated_query, *rotated_query.stride()[:3],
             *mu, hq, scaling * LOG2E, mask if sinks is None else sinks,

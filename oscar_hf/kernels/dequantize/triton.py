@@ -54,8 +54,10 @@ def _dequantize_kernel(
 
 
 def supports(packed: PackedKV) -> bool:
-    """Whether :func:`fill_history` serves ``packed``: per-token history on CUDA (or the interpreter)."""
-    return packed.per_token_keys and triton_runs_on(packed.device)
+    """Whether :func:`fill_history` serves ``packed``: per-token history on CUDA (or the interpreter), its rows on
+    both sides served by :func:`supports_rows`."""
+    return (packed.per_token_keys and triton_runs_on(packed.device)
+            and all(supports_rows(packed.head_dim, bits) for bits in (packed.key_bits, packed.value_bits)))
 
 
 def supports_rows(dim: int, bits: int) -> bool:

@@ -1,0 +1,154 @@
+"""Multi-head latent attention (MLA) layers: the compressed latent stored like a K side, the RoPE key as it is."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import OscarConfig
+from ..kernels import dequantize_backend
+from ..quantizer import QuantizedRows, quantize
+from .layer import OscarLayer, is_identity
+from .segments import Segment
+
+# set, in a model's config and in the bundle absorb_latent_rotation returns, where kv_b_proj holds the latent rotation
+LATENT_ABSORBED = "latent_rotation_absorbed"
+
+
+class LatentOscarLayer(OscarLayer):
+    """A multi-head latent attention layer's storage: the compressed latent ``[B, 1, T, r]`` (what DeepSeek-V3 and its
+    kin hand to ``update`` as K) as ``sink ‖ history ‖ recent``, the history rotated (``c @ R``), centered and
+    quantized per token like a K side; the RoPE part of the key ``[B, 1, T, rope]`` (handed as V) kept in the model
+    dtype for every token, since 2-bit RoPE keys wreck attention. ``update`` returns both whole and dense, the history
+    dequantized and rotated back, for the model to expand through ``kv_b_proj`` (its attention then runs on plain
+    tensors): a dequantize path, no fused kernel. Host-side updates only.
+
+    ``absorbed``: the rotation is folded into ``kv_b_proj`` (:func:`oscar_hf.absorb_latent_rotation`), so ``update``
+    returns the latent in the rotated basis: the windows rotated (a few hundred rows), the history as stored."""
+
+    def __init__(self, config: OscarConfig, rotation: torch.Tensor, absorbed: bool = False):
+        super().__init__(config, 3)  # sink, history, recent
+        self.latent_rotation = rotation.detach().clone()  # [r, r]
+        self.rotates = not is_identity(rotation)
+        self.absorbed = absorbed
+
+    def lazy_initialization(self, latent: torch.Tensor, rope: torch.Tensor) -> None:
+        batch, heads, _, dim = latent.shape
+        if self.latent_rotation.shape != (dim, dim):
+            raise ValueError(f"a latent rotation {tuple(self.latent_rotation.shape)} does not fit a latent of {dim} "
+                             "channels")
+        self.dtype, self.device = latent.dtype, latent.device
+        cfg = self.config
+        self.group_size = cfg.resolved_group_size(dim)
+        self.latent_rotation = self.latent_rotation.to(self.device, torch.float32)
+        # what materialize applies in the model dtype: R to the windows (absorbed), else Rᵀ to the history
+        rotation = self.latent_rotation if self.absorbed else self.latent_rotation.mT
+        self.rotation_mt = rotation.to(self.dtype).contiguous()
+        self.dequantize = dequantize_backend(cfg.backend, self.device)
+
+        def empty(*tail: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.empty(batch, heads, 0, *tail, dtype=dtype, device=self.device)
+
+        self.windows = {name: Segment({"latent": empty(dim, dtype=self.dtype)}) for name in ("sink", "recent")}
+        bits, groups = cfg.side_bits["key"], dim // self.group_size
+        self.history = Segment({"codes": empty(dim * bits // 8, dtype=torch.uint8),
+                                "scale": empty(groups, dtype=cfg.torch_scale_dtype),
+                                "zero": empty(groups, dtype=cfg.torch_scale_dtype)})
+        self.center = Segment({"latent": torch.zeros(batch, heads, 1, dim, device=self.device)})
+        self.rope = Segment({"rope": empty(rope.shape[-1], dtype=rope.dtype)})
+        self.is_initialized = True
+
+    def update(self, latent: torch.Tensor, rope: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``latent [B, 1, n, r]`` and ``rope [B, 1, n, rope]``; return the whole sequence of each, dense."""
+        if not self.is_initialized:
+            self.lazy_initialization(latent, rope)
+        total = self.length + latent.shape[2]
+        self.rope.grow_history(self.length, total)
+        self.rope.write(self.length, {"rope": rope})
+        self._append(latent)
+        return self.materialize(), self.rope["rope"][:, :, :total]
+
+    def _append(self, latent: torch.Tensor) -> None:
+        cfg, sink, recent = self.config, self.windows["sink"], self.windows["recent"]
+        to_sink = min(cfg.sink_tokens - self.n_sink, latent.shape[2])
+        if to_sink:
+            sink.grow_window(self.n_sink, self.n_sink + to_sink, cfg.sink_tokens)
+            sink.write(self.n_sink, {"latent": latent[:, :, :to_sink]})
+            self.n_sink += to_sink
+        rest, limit = latent[:, :, to_sink:], cfg.recent_tokens + cfg.flush_tokens - 1
+        if self.n_recent + rest.shape[2] <= limit:  # no demotion (most decode steps): append in place
+            recent.grow_window(self.n_recent, self.n_recent + rest.shape[2], limit)
+            recent.write(self.n_recent, {"latent": rest})
+            self.n_recent += rest.shape[2]
+            return
+        window = torch.cat([recent["latent"][:, :, :self.n_recent], rest], dim=2)
+        demoted = (window.shape[2] - cfg.recent_tokens) // cfg.flush_tokens * cfg.flush_tokens
+        self._quantize_into_history(window[:, :, :demoted])
+        self.n_recent = window.shape[2] - demoted
+        recent.grow_window(0, self.n_recent, limit)
+        recent.write(0, {"latent": window[:, :, demoted:]})
+
+    def _quantize_into_history(self, rows: torch.Tensor) -> None:
+        cfg = self.config
+        rows = rows.float() @ self.latent_rotation if self.rotates else rows.float()
+        center = self.center["latent"]
+        if not self.n_history and cfg.centering:
+            center.copy_(rows.mean(dim=2, keepdim=True))
+        quantized = quantize(rows - center, bits=cfg.side_bits["key"], group_size=self.group_size,
+                             clip=cfg.side_clip["key"], scale_dtype=cfg.torch_scale_dtype, method=cfg.quantizer)
+        self.history.grow_history(self.n_history, self.n_history + rows.shape[2])
+        self.history.write(self.n_history, quantized._asdict())
+        self.n_history += rows.shape[2]
+
+    def materialize(self) -> torch.Tensor:
+        """The latent sequence ``[B, 1, T, r]`` in the model dtype: the windows as stored; the history dequantized
+        with its center added (the dequantize kernel on CUDA, its twin elsewhere) and rotated back, both in the
+        model dtype. (The rotation back is a ``[T, r] × [r, r]`` product every step: in fp32 it would cost more
+        than the model's own expansion of the latent through ``kv_b_proj``.) Absorbed: the windows rotated instead,
+        the history as dequantized."""
+        out = torch.empty(*self.center["latent"].shape[:2], self.length, self.latent_rotation.shape[0],
+                          dtype=self.dtype, device=self.device)
+        n_sink, n_history, n_recent = self.counts
+        out[:, :, :n_sink] = self.windows["sink"]["latent"][:, :, :n_sink]
+        history = out[:, :, n_sink:n_sink + n_history]
+        stored = self.history.read(n_history)
+        center = self.center["latent"] if self.config.centering else None
+        self.dequantize(QuantizedRows(stored["codes"], stored["scale"], stored["zero"]), center, history,
+                        bits=self.config.side_bits["key"])
+        out[:, :, n_sink + n_history:] = self.windows["recent"]["latent"][:, :, :n_recent]
+        if self.rotates and self.absorbed:
+            for window in (out[:, :, :n_sink], out[:, :, n_sink + n_history:]):
+                window.copy_(window @ self.rotation_mt)
+        elif self.rotates and n_history:
+            history.copy_(history @ self.rotation_mt)
+        return out
+
+    # ------------------------------------------------------------------ cache bookkeeping API
+    def _segments(self) -> tuple[Segment, ...]:
+        return (*self.windows.values(), self.history, self.rope, self.center) if self.is_initialized else ()
+
+    def reset(self) -> None:
+        self._counts = [0, 0, 0]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the newest ``-tokens_to_remove`` tokens (from the recent window, then the history, then the sink: the
+        history's dropped tokens cannot return to the window, so a crop past it keeps its quantized ones)."""
+        remove = min(-int(tokens_to_remove), self.length)
+        for i in (2, 1, 0):
+            taken = min(remove, self._counts[i])
+            self._counts[i] -= taken
+            remove -= taken
+
+    def _fixed_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.latent_rotation, self.rotation_mt) if self.rotates else ()
+
+    def _used_bytes(self, history_only: bool) -> int:
+        center = self.center.used_bytes(1) if self.n_history and self.config.centering else 0
+        history = self.history.used_bytes(self.n_history) + self.rope.used_bytes(self.n_history) + center
+        if history_only:
+            return history
+        windows = self.windows["sink"].used_bytes(self.n_sink) + self.windows["recent"].used_bytes(self.n_recent)
+        return windows + history + self.rope.used_bytes(self.length) - self.rope.used_bytes(self.n_history)
+
+    def _elements_per_token(self) -> int:
+        b, h, _, r = self.windows["sink"]["latent"].shape
+        return b * h * (r + self.rope["rope"].shape[-1])
