@@ -81,3 +81,29 @@ def test_padding_is_read_from_the_prompt_mask():
     holes = torch.ones(1, 1, 5, 5, dtype=torch.bool)
     holes[..., 2] = False
     assert LeftPadding.of_prompt(holes, 5, 2) is None  # not left padding: stored as given
+
+
+def test_graph_steps_read_a_padded_row_as_the_row_alone():
+    """A static layer's device-only steps (the Triton append and decode kernels; Triton's interpreter on a CPU) read
+    the attention mask in the stored order: each row of a padded bf16 batch decodes as the row alone."""
+    pytest.importorskip("triton")
+    from triton_interpreter import faster_triton_interpreter  # noqa: F401
+
+    model = make_model("qwen3-gqa-qknorm-d128", dtype=torch.bfloat16, num_hidden_layers=1)
+    batch, rows = ragged_batch(seed=3)
+
+    def greedy(inputs):
+        cache = OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model, **WINDOWS,
+                                                    backend="triton", max_cache_len=max(LENGTHS) + NEW)
+        out = model.generate(**inputs, cache=cache, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True, disable_compile=True)
+        assert cache.layers[0].graph_step and cache.layers[0].n_history > 0
+        return out.sequences[:, -NEW:], torch.stack(out.logits, dim=1).float()
+
+    tokens, logits = greedy(batch)
+    for i, row in enumerate(rows):
+        want_tokens, want_logits = greedy({"input_ids": row[None], "attention_mask": torch.ones_like(row)[None]})
+        for step in range(NEW):  # until the tokens part (bf16 sums in another order can flip a near tie)
+            torch.testing.assert_close(logits[i, step], want_logits[0, step], rtol=0, atol=0.05)
+            if tokens[i, step] != want_tokens[0, step]:
+                break
