@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import time
 import weakref
 from collections.abc import Sequence
@@ -204,6 +205,8 @@ def cached_rotations(
     remove_stale_temporaries(path.parent, STALE_BUILD_SECONDS)
     with _lock(path, name):  # processes that start together: one calibrates, the others read its bundle
         rotations = _read(path)
+        if rotations is None and path.exists():  # a broken bundle (or stray files): ours to replace
+            shutil.rmtree(path)
         if rotations is not None:
             logger.warning("oscar-hf: rotations for %s from %s (calibrated earlier; delete the folder to recalibrate)",
                            name, path)

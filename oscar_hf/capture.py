@@ -3,9 +3,11 @@ to disk.
 
 :func:`run_capture` runs a forward with ``CaptureCache`` (which stores nothing) under the ``"oscar"`` attention: its
 layers hand K/V to the attention function as :class:`CapturedKV`, whose ``attend`` calls the observer's ``observe``
-with the query, K, V and the attention output of every layer and returns the model's own attention. Over plain
-tensors ``"oscar"`` is the model's own attention, so other users of the model (another thread's ``generate``, another
-calibration) see no change. Under tensor parallelism the observer gets every head on every rank (the ranks' shares
+with the query, K, V and the attention output of every layer and returns the model's own attention. A model on
+another implementation is left on ``"oscar"``, as :func:`oscar_hf.enable` leaves it: over plain tensors that is SDPA
+(or the model's eager attention for soft-capped and sink logits), and nothing is switched back and forth, so other
+users of the model (another thread's ``generate``, another calibration) see one implementation throughout. Under
+tensor parallelism the observer gets every head on every rank (the ranks' shares
 gathered).
 """
 

@@ -525,7 +525,8 @@ class OscarRotations:
         """Save the bundle as the folder ``save_directory`` (returned), atomically: into a hidden folder beside it
         (``.<name>.oscar-tmp-<random>``) that then replaces it whole, so that no file of a bundle saved there before
         stays, and an interrupted save leaves that bundle as it was (and the hidden folder:
-        :func:`remove_stale_temporaries`). A folder holding anything but a bundle's files (a model's, say) is left
+        :func:`remove_stale_temporaries`); between the two renames that swap them, the earlier bundle is
+        ``.<name>.oscar-old-<random>``. A folder holding anything but a bundle's files (a model's, say) is left
         untouched: FileExistsError."""
         path = Path(save_directory).expanduser().resolve()
         foreign = sorted(set(os.listdir(path)) - set(BUNDLE_FILES)) if path.exists() else []
@@ -534,7 +535,7 @@ class OscarRotations:
                                   "the bundle into a new folder")
         build = path.parent / f".{path.name}{TEMPORARY_MARK}{secrets.token_hex(6)}"
         build.mkdir(parents=True)  # a plain mkdir's mode (the umask's), as huggingface_hub's cache has (not 0o700)
-        aside = build.with_name(f"{build.name}-old")
+        aside = path.parent / f".{path.name}.oscar-old-{secrets.token_hex(6)}"  # not a leftover to remove
         try:
             self._write(build)
             mode = stat.S_IMODE((build / CONFIG_NAME).stat().st_mode)  # open()'s; safetensors writes 0o600

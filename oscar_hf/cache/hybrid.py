@@ -46,6 +46,7 @@ def with_state(attention_layer: type) -> type:
         is_compileable = attention_layer.is_compileable
         is_croppable = False  # a recurrent state cannot be taken back
         get_max_length = attention_layer.get_max_length
+        get_seq_length = attention_layer.get_seq_length
 
     WithState.__name__ = WithState.__qualname__ = f"{attention_layer.__name__}WithState"
     return WithState

@@ -132,6 +132,8 @@ class LatentOscarLayer(OscarLayer):
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the newest ``-tokens_to_remove`` tokens (from the recent window, then the history, then the sink: the
         history's dropped tokens cannot return to the window, so a crop past it keeps its quantized ones)."""
+        if int(tokens_to_remove) > 0:
+            raise ValueError(f"crop takes a negative number of tokens to remove; got {int(tokens_to_remove)}")
         remove = min(-int(tokens_to_remove), self.length)
         for i in (2, 1, 0):
             taken = min(remove, self._counts[i])

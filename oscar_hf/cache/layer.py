@@ -364,9 +364,9 @@ class KVOscarLayer(OscarLayer):
             return None
         (key, value), self._pending = self._pending, None
         n = key.shape[2]
-        if n > 1 and not self.length:
+        if not self.length:  # a new sequence: its prompt's padding, if any
             sink = self.config.sink_tokens if self.reorders_padding else 0
-            self._padding = LeftPadding.of_prompt(attention_mask, n, sink)
+            self._padding = LeftPadding.of_prompt(attention_mask, n, sink) if n > 1 else None
             if self._padding is not None:
                 key, value = self._padding.store_order(key), self._padding.store_order(value)
         self._append({"key": key, "value": value})

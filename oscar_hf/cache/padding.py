@@ -27,11 +27,11 @@ class LeftPadding:
     @classmethod
     def of_prompt(cls, mask: torch.Tensor | None, tokens: int, sink_tokens: int) -> "LeftPadding | None":
         """The padding of a prompt of ``tokens`` tokens from its bool attention mask ``[B, 1, q, >= tokens]`` (True =
-        attend): the keys its last query cannot see, where they lead every row (left padding). None where no row
-        is padded, or where the masked keys are not a prefix (another kind of mask: stored as given)."""
+        attend): the keys no query can see, where they lead every row (left padding). None where no row is padded,
+        or where the masked keys are not a prefix (another kind of mask: stored as given)."""
         if mask is None or mask.dtype != torch.bool or mask.shape[-1] < tokens:
             return None
-        hidden = ~mask[:, 0, -1, :tokens]
+        hidden = ~mask[:, 0, :, :tokens].any(dim=1)
         pads = hidden.long().cumprod(-1).sum(-1)
         if not pads.any() or not torch.equal(pads, hidden.sum(-1)) or (pads >= tokens).any():
             return None

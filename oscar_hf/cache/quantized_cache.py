@@ -272,8 +272,8 @@ class OscarQuantizedCache(Cache):
 
 
 def dense_layer_bytes(layer) -> tuple[int, int]:
-    """(bytes, elements) of a transformers cache layer's K and V (a QuantizedLayer's codes included; 0, 0 where it
-    holds none)."""
+    """(bytes, elements) of a transformers cache layer's K and V: the bytes include a QuantizedLayer's codes, the
+    elements count its dense K/V only (0, 0 where it holds none)."""
     keys = getattr(layer, "keys", None)
     if not getattr(layer, "is_initialized", False) or keys is None:
         return 0, 0

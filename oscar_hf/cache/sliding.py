@@ -54,6 +54,7 @@ class SlidingOscarLayer(DynamicOscarLayer):
         if not sink + history:
             return
         self._last_update = None  # a crop can no longer take the last update back exactly
+        self._padding = None  # the pads leave first: what is left is the rows' own tokens
         if history:
             self.history.drop_front(self.n_history, history)
         self.n_sink, self.n_history = self.n_sink - sink, self.n_history - history

@@ -7,6 +7,7 @@ exactly). Nothing here imports the cache, and nothing imports triton before a Tr
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -66,11 +67,21 @@ if importlib.util.find_spec("triton") is not None:
     DEQUANTIZE_BACKENDS["triton"] = _triton_dequantize
 
 
+@functools.cache
+def _triton_imports() -> bool:
+    """Whether the installed triton imports (a build for another CUDA may not)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def resolve(name: str, device: torch.device) -> str:
     """The backend OscarConfig.backend ``name`` means on ``device``: "auto" is triton on CUDA where triton is
-    installed, else torch; other names must be registered (ValueError listing those that are)."""
+    installed and imports, else torch; other names must be registered (ValueError listing those that are)."""
     if name == "auto":
-        return "triton" if device.type == "cuda" and "triton" in ATTENTION_BACKENDS else "torch"
+        return "triton" if device.type == "cuda" and "triton" in ATTENTION_BACKENDS and _triton_imports() else "torch"
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"backend {name!r} is not available; available: {sorted(ATTENTION_BACKENDS)}")
     return name

@@ -107,3 +107,15 @@ def test_graph_steps_read_a_padded_row_as_the_row_alone():
             torch.testing.assert_close(logits[i, step], want_logits[0, step], rtol=0, atol=0.05)
             if tokens[i, step] != want_tokens[0, step]:
                 break
+
+
+def test_a_layer_emptied_by_a_crop_forgets_the_padding():
+    model = make_model("llama-mha-d64")
+    batch, _ = ragged_batch()
+    cache = cache_for(model, static=False)
+    model(**batch, cache=cache)
+    layer = cache.layers[0]
+    assert layer._padding is not None
+    layer.crop(-layer.get_seq_length())
+    model(input_ids=batch["input_ids"][:, -1:], cache=cache)
+    assert layer._padding is None and layer.get_seq_length() == 1
