@@ -6,7 +6,7 @@ import torch
 
 from ..config import OscarConfig
 from ..kernels import dequantize_backend
-from ..quantizer import QuantizedRows, quantize
+from ..quantizer import QuantizedRows
 from .layer import OscarLayer, is_identity
 from .segments import Segment
 
@@ -17,7 +17,7 @@ LATENT_ABSORBED = "latent_rotation_absorbed"
 class LatentOscarLayer(OscarLayer):
     """A multi-head latent attention layer's storage: the compressed latent ``[B, 1, T, r]`` (what DeepSeek-V3 and its
     kin hand to ``update`` as K) as ``sink ‖ history ‖ recent``, the history rotated (``c @ R``), centered and
-    quantized per token like a K side; the RoPE part of the key ``[B, 1, T, rope]`` (handed as V) kept in the model
+    quantized in the per-token K layout; the RoPE part of the key ``[B, 1, T, rope]`` (handed as V) kept in the model
     dtype for every token, since 2-bit RoPE keys wreck attention. ``update`` returns both whole and dense, the history
     dequantized and rotated back, for the model to expand through ``kv_b_proj`` (its attention then runs on plain
     tensors): a dequantize path, no fused kernel. Host-side updates only.
@@ -93,8 +93,8 @@ class LatentOscarLayer(OscarLayer):
         center = self.center["latent"]
         if not self.n_history and cfg.centering:
             center.copy_(rows.mean(dim=2, keepdim=True))
-        quantized = quantize(rows - center, bits=cfg.side_bits["key"], group_size=self.group_size,
-                             clip=cfg.side_clip["key"], scale_dtype=cfg.torch_scale_dtype, method=cfg.quantizer)
+        quantized = cfg.key_layout.quantize(rows - center, bits=cfg.side_bits["key"], clip=cfg.side_clip["key"],
+                                            group_size=self.group_size, config=cfg)  # the per-token K layout
         self.history.grow_history(self.n_history, self.n_history + rows.shape[2])
         self.history.write(self.n_history, quantized._asdict())
         self.n_history += rows.shape[2]

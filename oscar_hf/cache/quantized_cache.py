@@ -58,9 +58,10 @@ class _LayerBuilder:
 
     def full(self, i: int):
         if self.shape.latent is not None:
-            if self.config.key_layout.uses_codebook:
-                raise ValueError("product-quantized keys are not available for multi-head latent attention layers "
-                                 "(their history is the latent, stored per token)")
+            layout = self.config.key_layout
+            if layout.uses_codebook or layout.token_group(self.config) is not None:
+                raise ValueError(f"key_quantization={self.config.key_quantization!r} is not available for multi-head "
+                                 "latent attention layers (their history is the latent, stored per token)")
             if self.max_cache_len is not None:
                 raise ValueError("multi-head latent attention layers are stored on the host (the model expands the "
                                  "whole latent each step): build the cache without max_cache_len")

@@ -407,3 +407,11 @@ def test_quantize_sliding_is_lossless_in_bf16_while_the_windows_move(make):
     got = generate(model, cache, length=100, max_new_tokens=20)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
     assert type(cache.layers[0]).__name__ == "SlidingOscarLayer" and cache.layers[0].dropped > 0
+
+
+@pytest.mark.parametrize("layout", ["per-channel", "product"])
+def test_latent_layers_refuse_key_layouts_other_than_per_token(layout):
+    model = build("deepseek-v3-mla")
+    with pytest.raises(ValueError, match=f"key_quantization='{layout}' is not available for multi-head latent"):
+        OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model,
+                                            key_quantization=layout, k_clip=1.0, centering=layout == "product")
