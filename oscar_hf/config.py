@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from .layouts import KEY_LAYOUTS, KeyLayout
+from .quantizer import QUANTIZERS, Grid
 
 SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-QUANTIZERS = ("uniform", "lloyd-max")
 BACKENDS = ("auto", "torch", "triton")
 
 
@@ -46,7 +46,9 @@ class OscarConfig:
             clipped (:attr:`side_clip`).
         scale_dtype: dtype of the stored scale and zero: "float16" (2.25 bits per element at
             group 128), "bfloat16" or "float32".
-        quantizer: "uniform" (asymmetric min-max) or "lloyd-max" (Gaussian levels, 2 bits only).
+        quantizer: "uniform" (asymmetric min-max), "symmetric" (a grid centred on 0 and a scale alone: half the
+            metadata, for centered rows; 2.125 bits per element at group 128) or "lloyd-max" (Gaussian levels, 2
+            bits only): :data:`oscar_hf.quantizer.QUANTIZERS`.
         centering: quantize ``x - μ`` instead of ``x``, with ``μ`` the mean K (V) per sequence and KV head over
             the first tokens that reach the history (for a prompt: all of it but the windows), stored in fp32
             and added back on reading. Keys carry large constant channels that a per-token 2-bit grid wastes
@@ -121,8 +123,8 @@ class OscarConfig:
                               ("key_quantization", KEY_LAYOUTS), ("backend", BACKENDS)):
             if not isinstance(getattr(self, name), str) or getattr(self, name) not in choices:
                 self._fail(name, " or ".join(map(repr, choices)))
-        if self.quantizer == "lloyd-max" and 4 in self.side_bits.values():
-            self._fail("quantizer", "'uniform' with 4-bit K or V ('lloyd-max' has 2-bit levels only)")
+        if not set(self.side_bits.values()) <= set(self.grid.bits):
+            self._fail("quantizer", f"'uniform' with 4-bit K or V ({self.quantizer!r} has 2-bit levels only)")
         for name in ("centering", "quantize_sliding"):
             if not isinstance(getattr(self, name), bool):
                 self._fail(name, "True or False")
@@ -172,6 +174,11 @@ class OscarConfig:
         return (high * self.key_bits + (num_layers - high) * self.bits) / num_layers
 
     @property
+    def grid(self) -> Grid:
+        """The per-token quantizer (:data:`oscar_hf.quantizer.QUANTIZERS`)."""
+        return QUANTIZERS[self.quantizer]
+
+    @property
     def torch_scale_dtype(self) -> torch.dtype:
         return SCALE_DTYPES[self.scale_dtype]
 
@@ -211,16 +218,18 @@ class OscarConfig:
         averaged over ``num_layers`` layers (needed only with ``key_bits_layers``).
 
         A history element costs its side's bits plus its share of a scale and a zero: V (and per-token K) has one pair
-        per token and group of ``group_size`` channels, per-channel K one per channel and group of
-        ``flush_tokens`` tokens. The windows hold what a prefill of ``seq_len`` tokens leaves in them.
+        per token and group of ``group_size`` channels (the symmetric quantizer a scale alone), per-channel K one
+        pair per channel and group of ``flush_tokens`` tokens. The windows hold what a prefill of ``seq_len`` tokens
+        leaves in them.
         """
         if seq_len is not None and not seq_len > 0:
             raise ValueError(f"seq_len must be None (the history alone) or positive; got {seq_len!r}")
         scale_bits = torch.finfo(self.torch_scale_dtype).bits
         group = self.resolved_group_size(head_dim)
         key_group = self.key_layout.values_per_scale(self, group)
-        # the mean over K and V of the code bits and a scale and a zero per group
-        history = (self.mean_key_bits(num_layers) + self.bits) / 2 + scale_bits / key_group + scale_bits / group
+        # the mean over K and V of the code bits and a scale (and a zero) per group
+        meta = (1 + self.grid.stores_zero) * scale_bits / 2
+        history = (self.mean_key_bits(num_layers) + self.bits) / 2 + meta / key_group + meta / group
         if seq_len is None:
             return history
         past_windows = max(seq_len - self.sink_tokens - self.recent_tokens, 0)

@@ -101,7 +101,7 @@ class PerChannelKeys(KeyLayout):
     offsets); read by dequantizing before SDPA."""
 
     name = "per-channel"
-    needs = {"k_clip": (1.0, "clipping is per token"), "quantizer": ("uniform", "Lloyd-Max levels are per token")}
+    needs = {"k_clip": (1.0, "clipping is per token"), "quantizer": ("uniform", "its grid is min-max per channel")}
     centered = False
 
     def token_group(self, config):

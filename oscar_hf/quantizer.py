@@ -7,7 +7,11 @@ A row is one token of one KV head, ``x [D]``. It is stored as
   channels j, j+D/4, j+D/2, j+3D/4 at bits 0, 2, 4, 6, as in the OSCAR reference);
 * ``scale``, ``zero``: ``[D / group_size]`` in the scale dtype, with ``x̂ = zero + scale · code``.
   ``zero`` is the value of code 0 (the group minimum for the uniform quantizer), so a kernel
-  computes ``q·x̂ = scale·(q·code) + zero·Σq``.
+  computes ``q·x̂ = scale·(q·code) + zero·Σq``. The symmetric quantizer stores no zero (``[0]``): its grid is
+  centred on 0, ``zero = -scale·(2^bits - 1)/2`` (:meth:`QuantizedRows.zeros`), which halves the metadata of
+  rows that are themselves centred (the cache's ``x - μ``).
+
+The quantizers (:data:`QUANTIZERS`, by ``OscarConfig.quantizer``) are :class:`Grid` objects.
 
 Per-channel quantization (KIVI's key layout, :func:`quantize_per_channel`) packs the codes of a block
 ``x [N, D]`` per token exactly as above; only its scale and zero change shape, to
@@ -32,7 +36,23 @@ LLOYD_MAX_STEP = 2 * 1.50956 / 3 * 1.16
 class QuantizedRows(NamedTuple):
     codes: torch.Tensor  # uint8 [..., D * bits / 8]
     scale: torch.Tensor  # scale dtype [..., D / group_size]
-    zero: torch.Tensor  # scale dtype [..., D / group_size]
+    zero: torch.Tensor  # scale dtype [..., D / group_size], or [..., 0] where the grid implies it
+
+    @property
+    def implied_zero(self) -> bool:
+        """Whether the zero is not stored but implied by the scale (the symmetric quantizer's rows)."""
+        return self.zero.shape[-1] == 0 < self.scale.shape[-1]
+
+    def zeros(self, bits: int) -> torch.Tensor:
+        """The zero of each scale, fp32, shaped like ``scale``: the stored one, or ``-scale·(2^bits - 1)/2``."""
+        if self.implied_zero:
+            return implied_zero(self.scale, bits)
+        return self.zero.float()
+
+
+def implied_zero(scale: torch.Tensor, bits: int) -> torch.Tensor:
+    """The symmetric grid's zero, fp32: ``-scale·(2^bits - 1)/2`` (exact in fp32 for fp16 and bf16 scales)."""
+    return scale.float() * (-((1 << bits) - 1) / 2)
 
 
 def clip_index(ratio: float, head_dim: int) -> int:
@@ -83,6 +103,81 @@ def _uniform_codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, lev
     return torch.floor((x - zero.float()) / scale.float() + 0.5).clamp_(0, levels).to(torch.uint8)
 
 
+class Grid:
+    """A per-token quantizer: a group's ``(scale, zero)`` from its values, then its codes. ``stores_zero``: whether
+    the rows keep a zero per scale (else :func:`implied_zero`); ``triton``: whether the Triton write and append
+    kernels compute it (else the torch writer does)."""
+
+    name: str
+    stores_zero = True
+    triton = True
+    bits: tuple[int, ...] = (2, 4)
+
+    def fit(self, xg: torch.Tensor, levels: int, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 groups ``xg [..., G, group]`` → (scale, zero) ``[..., G]``: scale in ``scale_dtype``, zero as stored
+        (``scale_dtype``) or implied (fp32)."""
+        raise NotImplementedError
+
+    def codes(self, xg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: int) -> torch.Tensor:
+        return _uniform_codes(xg, scale[..., None], zero[..., None], levels)
+
+
+class UniformGrid(Grid):
+    """Asymmetric min-max: ``zero`` the group minimum rounded down, ``scale = (max - zero)/levels`` rounded up, so
+    every element dequantizes within ``scale / 2`` of its value."""
+
+    name = "uniform"
+
+    def fit(self, xg, levels, scale_dtype):
+        return _min_max_grid(xg.amin(-1), xg.amax(-1), levels, scale_dtype)
+
+
+class SymmetricGrid(Grid):
+    """Symmetric about 0: ``scale = 2·max|x|/levels`` rounded up, levels at ``scale·(code - levels/2)``; no zero is
+    stored (``implied_zero``). Every element dequantizes within ``scale / 2`` of its value. For rows centred on 0
+    (the cache's ``x - μ``, clipped at ``±τ``) the grid is nearly the min-max one at half the metadata."""
+
+    name = "symmetric"
+    stores_zero = False
+
+    def fit(self, xg, levels, scale_dtype):
+        step = (2 * xg.abs().amax(-1)) / torch.full_like(xg[..., 0], levels)
+        scale = _round_to(step.clamp_min(torch.finfo(scale_dtype).tiny), scale_dtype, math.inf)
+        return scale, scale.float() * (-levels / 2)
+
+
+class LloydMaxGrid(Grid):
+    """Gaussian Lloyd-Max levels (2 bits), in the uniform dequantization form the OSCAR reference uses."""
+
+    name = "lloyd-max"
+    triton = False
+    bits = (2,)
+
+    def fit(self, xg, levels, scale_dtype):
+        mean = xg.mean(-1)
+        scale = (LLOYD_MAX_STEP * _std(xg)).to(scale_dtype)
+        return scale, (mean - 1.5 * scale.float()).to(scale_dtype)
+
+    def codes(self, xg, scale, zero, levels):
+        z = (xg - xg.mean(-1, keepdim=True)) / _std(xg)[..., None]
+        codes = sum((z >= t).float() for t in (-LLOYD_MAX_THRESHOLD, 0.0, LLOYD_MAX_THRESHOLD))
+        return codes.clamp_(0, levels).to(torch.uint8)
+
+
+def _std(xg: torch.Tensor) -> torch.Tensor:
+    return (xg.var(-1, unbiased=False) + 1e-8).sqrt()
+
+
+QUANTIZERS: dict[str, Grid] = {grid.name: grid for grid in (UniformGrid(), SymmetricGrid(), LloydMaxGrid())}
+
+
+def grid_for(method: str) -> Grid:
+    """The quantizer named ``method`` (ValueError naming the known ones)."""
+    if method not in QUANTIZERS:
+        raise ValueError(f"unknown quantizer {method!r}; expected one of {sorted(QUANTIZERS)}")
+    return QUANTIZERS[method]
+
+
 def quantize(
     x: torch.Tensor,
     *,
@@ -92,36 +187,26 @@ def quantize(
     scale_dtype: torch.dtype = torch.float16,
     method: str = "uniform",
 ) -> QuantizedRows:
-    """Clip, quantize and pack rows ``x [..., D]`` (any float dtype) per group of ``group_size`` channels.
+    """Clip, quantize and pack rows ``x [..., D]`` (any float dtype) per group of ``group_size`` channels with the
+    quantizer ``method`` (:data:`QUANTIZERS`).
 
-    The uniform quantizer is asymmetric min-max with round-half-up; its stored scale and zero are
-    rounded outward so that every element dequantizes within ``scale / 2`` of its clipped value.
-    Raises ValueError on NaN or inf input, or when a scale or zero overflows ``scale_dtype``.
+    The uniform and symmetric grids round their stored scale (and zero) outward, so that every element dequantizes
+    within ``scale / 2`` of its clipped value; round-half-up. Raises ValueError on NaN or inf input, or when a
+    scale or zero overflows ``scale_dtype``.
     """
+    grid = grid_for(method)
+    if bits not in grid.bits:
+        raise ValueError(f"the {method} quantizer has {'/'.join(map(str, grid.bits))}-bit levels; got {bits}")
     _check_finite_input(x)
     d = x.shape[-1]
     group = group_size or d
     levels = 2**bits - 1
     xg = clip_rows(x.float(), clip).unflatten(-1, (d // group, group))
-    if method == "uniform":
-        scale, zero = _min_max_grid(xg.amin(-1), xg.amax(-1), levels, scale_dtype)
-    elif method == "lloyd-max":
-        if bits != 2:
-            raise ValueError("the lloyd-max quantizer has 2-bit levels only")
-        mean = xg.mean(-1)
-        std = (xg.var(-1, unbiased=False) + 1e-8).sqrt()
-        scale = (LLOYD_MAX_STEP * std).to(scale_dtype)
-        zero = (mean - 1.5 * scale.float()).to(scale_dtype)
-    else:
-        raise ValueError(f"unknown quantizer {method!r}; expected 'uniform' or 'lloyd-max'")
+    scale, zero = grid.fit(xg, levels, scale_dtype)
     _check_finite_range(scale, zero, scale_dtype)
-    if method == "uniform":
-        codes = _uniform_codes(xg, scale[..., None], zero[..., None], levels)
-    else:
-        z = (xg - xg.mean(-1, keepdim=True)) / std[..., None]
-        codes = sum((z >= t).float() for t in (-LLOYD_MAX_THRESHOLD, 0.0, LLOYD_MAX_THRESHOLD))
-        codes = codes.clamp_(0, levels).to(torch.uint8)
-    return QuantizedRows(pack(codes.flatten(-2), bits), scale, zero)
+    codes = grid.codes(xg, scale, zero, levels)
+    stored = zero if grid.stores_zero else scale.new_empty(*scale.shape[:-1], 0)
+    return QuantizedRows(pack(codes.flatten(-2), bits), scale, stored)
 
 
 def quantize_per_channel(
@@ -171,7 +256,7 @@ def _dequantize_along(rows: QuantizedRows, bits: int, dim: int, dtype: torch.dty
     codes = unpack(rows.codes, bits).float()
     groups = rows.scale.shape[dim]
     codes = codes.unflatten(dim, (groups, codes.shape[dim] // max(groups, 1)))  # (an empty block has no groups)
-    x = rows.zero.float().unsqueeze(dim) + rows.scale.float().unsqueeze(dim) * codes
+    x = rows.zeros(bits).unsqueeze(dim) + rows.scale.float().unsqueeze(dim) * codes
     return x.flatten(dim - 1, dim).to(dtype)
 
 

@@ -312,14 +312,14 @@ class KVOscarLayer(OscarLayer):
         self.recent = Segment({side: empty(dim, dtype=self.dtype) for side in SIDES})
         self.center = Segment({side: torch.zeros(batch, heads, int(side in cfg.centered_sides), dim,
                                                  device=self.device) for side in SIDES})
-        # per side: (scale and zero columns, tokens per scale row)
+        # per side: (scale columns, tokens per scale row); zeros alike, or none where the quantizer implies them
         meta = {"key": (layout.scale_columns(dim, self.group_size), layout.tokens_per_scale_row(cfg)),
                 "value": (dim // self.group_size, 1)}
         history = {}
         for side, bits in cfg.side_bits.items():
             history[f"{side}_codes"] = empty(dim * bits // 8, dtype=torch.uint8)
-            for part in ("scale", "zero"):
-                history[f"{side}_{part}"] = empty(meta[side][0], dtype=cfg.torch_scale_dtype)
+            history[f"{side}_scale"] = empty(meta[side][0], dtype=cfg.torch_scale_dtype)
+            history[f"{side}_zero"] = empty(meta[side][0] * cfg.grid.stores_zero, dtype=cfg.torch_scale_dtype)
         self.history = Segment(history, {f"{side}_{part}": meta[side][1] for side in SIDES
                                          for part in ("scale", "zero")})
         self.is_initialized = True

@@ -189,6 +189,21 @@ METHODS: dict[str, Method] = {
             {"quantizer": "uniform", "centering": True, "bits": 2, "key_bits": 4},
             key_bits_fraction=0.5,
         ),
+        # head_dim 64: the zeros a centered history does not need pay for 4-bit K in half the layers (2.75 bits)
+        Method(
+            "oscar-k4-half-symmetric",
+            "as oscar-k4-half, with the symmetric quantizer (a scale alone per group, zeros implied): 4-bit K in "
+            "half the layers at the metadata of one scale",
+            "calibrated",
+            {"quantizer": "symmetric", "centering": True, "bits": 2, "key_bits": 4},
+            key_bits_fraction=0.5,
+        ),
+        Method(
+            "oscar-symmetric",
+            "as oscar, with the symmetric quantizer (a scale alone per group, zeros implied)",
+            "calibrated",
+            {"quantizer": "symmetric", "centering": True, **INT2},
+        ),
         # Gemma-3-270M (eval/results/gemma3-270m/investigation): 92% of OSCAR's KL comes from K, whose outlier
         # channels a per-token grid cannot hold; unrotated per-channel K (KIVI's layout, 64-token groups) fixes it.
         Method(

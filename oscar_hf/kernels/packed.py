@@ -25,8 +25,9 @@ class PackedKV:
         recent_k, recent_v: the newest tokens, model dtype ``[B, H, R, D]``: a ring buffer whose oldest token is
             row ``counts[3]``.
         key, value: the rotated history as ``QuantizedRows``: codes uint8 ``[B, H, N, D·bits/8]``; scale and zero
-            ``[B, H, N, D/group_size]`` per token, ``[B, H, ⌈N/key_token_group⌉, D]`` for per-channel K, or
-            ``[B, H, N, 0]`` for product-quantized K (whose codes are one byte per subspace of its codebook).
+            ``[B, H, N, D/group_size]`` per token (zero ``[B, H, N, 0]`` where the symmetric quantizer implies it),
+            ``[B, H, ⌈N/key_token_group⌉, D]`` for per-channel K, or ``[B, H, N, 0]`` for product-quantized K (whose
+            codes are one byte per subspace of its codebook).
         counts: sink, history and recent tokens and the ring start: an int32 tensor ``[4]`` or ``[8]`` (a static
             layer's, on the device; ``[4:8]`` the counts before its last graph step), or a tuple of ints.
         key_bits, value_bits: code widths (2 or 4; product-quantized K: 1 or 2 bits per element).
@@ -123,25 +124,27 @@ class PackedKV:
     def history_bytes_per_token(self) -> int:
         """Bytes of K and V codes, scales and zeros per history token."""
         key_group = self.key_token_group or 1
-        return sum(rows.codes.shape[-1] + 2 * rows.scale.shape[-1] * rows.scale.element_size() // group
-                   for rows, group in ((self.key, key_group), (self.value, 1)))
+        return sum(rows.codes.shape[-1] + (rows.scale.shape[-1] + rows.zero.shape[-1]) * rows.scale.element_size()
+                   // group for rows, group in ((self.key, key_group), (self.value, 1)))
 
     @classmethod
     def empty(cls, batch: int, heads: int, head_dim: int, *, sink: int, history: int, recent: int,
               dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", key_bits: int = 2,
               value_bits: int = 2, group_size: int | None = None, scale_dtype: torch.dtype = torch.float16,
               centered: bool = False, key_token_group: int | None = None,
-              key_rotation: torch.Tensor | None = None, value_rotation: torch.Tensor | None = None) -> "PackedKV":
+              key_rotation: torch.Tensor | None = None, value_rotation: torch.Tensor | None = None,
+              implied_zero: bool = False) -> "PackedKV":
         """Uninitialised storage of the given capacities (tokens) with zero counts: for kernels and benchmarks
-        that need no cache."""
+        that need no cache. ``implied_zero``: per-token rows without zeros (the symmetric quantizer's)."""
         group = group_size or head_dim
 
         def rows(bits: int, tokens_per_row: int, columns: int) -> QuantizedRows:
             meta = (batch, heads, -(-history // tokens_per_row), columns)
+            zeros = columns * (not implied_zero or tokens_per_row > 1)
             return QuantizedRows(torch.empty(batch, heads, history, head_dim * bits // 8, dtype=torch.uint8,
                                              device=device),
                                  torch.empty(meta, dtype=scale_dtype, device=device),
-                                 torch.empty(meta, dtype=scale_dtype, device=device))
+                                 torch.empty(*meta[:3], zeros, dtype=scale_dtype, device=device))
 
         key_columns = head_dim // group if key_token_group is None else head_dim
         window = [torch.empty(batch, heads, n, head_dim, dtype=dtype, device=device) for n in (sink, sink, recent,

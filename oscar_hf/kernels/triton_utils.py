@@ -106,10 +106,11 @@ def clip_threshold(xs, CLIP_INDEX: tl.constexpr):
 
 @triton.jit
 def quantize_tile(xs, tiny, CLIP_INDEX: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
-                   SCALE_DT: tl.constexpr):
+                   SCALE_DT: tl.constexpr, SYMMETRIC: tl.constexpr):
     """Rows as their ``8/bits`` channel sub-tiles ``xs[i] = x[:, i·W:(i+1)·W]`` (fp32 ``[R, W]``, ``W = D·bits/8``,
     ``GROUP`` a multiple of W) → (packed codes uint8 ``[R, W]``, scales and zeros: tuples of ``D/GROUP`` vectors
     ``[R]`` in SCALE_DT, a flag: 1 if some input is not finite, else 2 if a scale or zero overflows SCALE_DT, else 0).
+    SYMMETRIC: the grid centred on 0 (``quantizer.SymmetricGrid``), whose zeros (fp32) are implied, not stored.
 
     Working on sub-tiles keeps every reduction along a row inside one warp and packs without a reshape: byte ``j``
     is ``Σ_i code_i[:, j] << (i·bits)``."""
@@ -135,11 +136,19 @@ def quantize_tile(xs, tiny, CLIP_INDEX: tl.constexpr, GROUP: tl.constexpr, BITS:
         for j in tl.static_range(1, SUBS_PER_GROUP):
             lo_x = tl.minimum(lo_x, tl.min(xs[g * SUBS_PER_GROUP + j], axis=1))
             hi_x = tl.maximum(hi_x, tl.max(xs[g * SUBS_PER_GROUP + j], axis=1))
-        zero = round_to(lo_x, SCALE_DT, False)
-        z32 = zero.to(tl.float32)
-        step = tl.maximum(tl.math.div_rn(hi_x - z32, tl.full(lo_x.shape, LEVELS, tl.float32)), tiny)
-        scale = round_to(step, SCALE_DT, True)
-        s32 = scale.to(tl.float32)
+        if SYMMETRIC:
+            half = tl.maximum(tl.abs(lo_x), tl.abs(hi_x))
+            step = tl.maximum(tl.math.div_rn(2 * half, tl.full(lo_x.shape, LEVELS, tl.float32)), tiny)
+            scale = round_to(step, SCALE_DT, True)
+            s32 = scale.to(tl.float32)
+            z32 = s32 * (-LEVELS / 2)
+            zero = z32
+        else:
+            zero = round_to(lo_x, SCALE_DT, False)
+            z32 = zero.to(tl.float32)
+            step = tl.maximum(tl.math.div_rn(hi_x - z32, tl.full(lo_x.shape, LEVELS, tl.float32)), tiny)
+            scale = round_to(step, SCALE_DT, True)
+            s32 = scale.to(tl.float32)
         overflow = overflow | tl.max(tl.where((tl.abs(z32) <= FP32_MAX) & (s32 <= FP32_MAX), 0, 2), axis=0)
         for j in tl.static_range(SUBS_PER_GROUP):  # (a name bound to the index would stop being constexpr)
             x = xs[g * SUBS_PER_GROUP + j]
@@ -152,13 +161,16 @@ def quantize_tile(xs, tiny, CLIP_INDEX: tl.constexpr, GROUP: tl.constexpr, BITS:
 
 
 @triton.jit
-def store_rows(codes_ptr, scale_ptr, zero_ptr, rows, stride_cn, stride_zn, live, packed, scales, zeros):
-    """Store ``quantize_tile``'s output at history rows ``rows`` (int64 ``[R]``; ``live`` masks them)."""
+def store_rows(codes_ptr, scale_ptr, zero_ptr, rows, stride_cn, stride_zn, live, packed, scales, zeros,
+               SYMMETRIC: tl.constexpr):
+    """Store ``quantize_tile``'s output at history rows ``rows`` (int64 ``[R]``; ``live`` masks them); SYMMETRIC
+    rows store no zeros."""
     tl.store(codes_ptr + rows[:, None] * stride_cn + tl.arange(0, packed.shape[1])[None, :], packed,
              mask=live[:, None])
     for g in tl.static_range(len(scales)):
         tl.store(scale_ptr + rows * stride_zn + g, scales[g], mask=live)
-        tl.store(zero_ptr + rows * stride_zn + g, zeros[g], mask=live)
+        if not SYMMETRIC:
+            tl.store(zero_ptr + rows * stride_zn + g, zeros[g], mask=live)
 
 
 def kernel_clip_index(ratio: float, head_dim: int) -> int:

@@ -158,6 +158,9 @@ def test_group_larger_than_head_dim_raises():
         pytest.param(dict(bits=4, key_bits=2, group_size=128), None, 3.25, id="k2v4-g128-history"),
         pytest.param(dict(group_size=128, scale_dtype="float32"), None, 2.5, id="g128-fp32-history"),
         pytest.param(dict(group_size=128, scale_dtype="bfloat16"), None, 2.25, id="g128-bf16-history"),
+        # the symmetric grid stores a scale alone: 16 bits per group
+        pytest.param(dict(group_size=64, quantizer="symmetric"), None, 2.25, id="g64-symmetric-history"),
+        pytest.param(dict(group_size=64, quantizer="symmetric", key_bits=4), None, 3.25, id="g64-symmetric-k4"),
         # per-channel K: one fp16 scale and zero per channel and 32 tokens (0.5 bits); V per token and group
         pytest.param(dict(group_size=32, flush_tokens=32, **PER_CHANNEL), None, 3.0, id="per-channel-g32-history"),
         pytest.param(dict(group_size=128, flush_tokens=32, **PER_CHANNEL), None, 2.625, id="per-channel-g128-history"),

@@ -165,6 +165,30 @@ def test_unknown_method_raises():
         quantize(randn(2, 64), method="kmeans")
 
 
+# ------------------------------------------------------------------------------------------- symmetric
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES, ids=lambda t: DTYPE_IDS[t])
+@pytest.mark.parametrize("bits", [2, 4], ids=lambda b: f"int{b}")
+def test_symmetric_grid_stores_no_zero_and_stays_within_half_a_step(bits, scale_dtype):
+    """Scale ``2·max|x|/levels`` rounded up, zero implied ``-scale·levels/2``: every element within scale/2."""
+    x = rows_with_outliers(3, 16, 128, seed=bits)
+    q = quantize(x, bits=bits, group_size=32, clip=0.96, scale_dtype=scale_dtype, method="symmetric")
+    assert q.zero.shape == (3, 16, 0) and q.scale.shape == (3, 16, 4) and q.implied_zero
+    levels = 2**bits - 1
+    torch.testing.assert_close(q.zeros(bits), -q.scale.float() * levels / 2, rtol=0, atol=0)
+    target = clip_rows(x, 0.96)
+    error = (dequantize(q, bits) - target).abs().unflatten(-1, (4, 32))
+    assert bool((error <= q.scale.float()[..., None] / 2 * (1 + 1e-5)).all())
+    half = target.unflatten(-1, (4, 32)).abs().amax(-1)
+    assert bool((q.scale.float() * levels / 2 >= half * (1 - 1e-6)).all())
+
+
+def test_symmetric_grid_is_the_min_max_grid_on_rows_clipped_both_ways():
+    """A row whose clip threshold is reached on both sides has range [-τ, τ]: both grids give the same levels."""
+    x = torch.cat([randn(8, 62, seed=7), torch.full((8, 1), 9.0), torch.full((8, 1), -9.0)], dim=-1)
+    sym, uni = (dequantize(quantize(x, clip=0.9, method=m), 2) for m in ("symmetric", "uniform"))
+    torch.testing.assert_close(sym, uni, rtol=1e-3, atol=1e-3)
+
+
 # ------------------------------------------------------------------------------------------- lloyd-max
 def test_lloyd_max_uses_all_four_codes():
     codes = unpack(quantize(randn(64, 128, seed=2), method="lloyd-max").codes, 2)

@@ -104,6 +104,14 @@ def test_decode_gqa_head_dims_dtypes(groups, dim, dtype):
     check_decode(1, 2, groups, dim, 70, dtype)
 
 
+@pytest.mark.parametrize("dim, key_bits, dtype", [(64, 2, torch.bfloat16), (128, 4, torch.float16)],
+                         ids=["D64-paired", "D128-k4"])
+def test_decode_symmetric_quantizer(dim, key_bits, dtype):
+    """Histories with implied zeros (``-s·(2^bits - 1)/2``, the symmetric quantizer): no zero rows are read."""
+    _, packed = check_decode(2, 2, 4, dim, 200, dtype, pads=(0, 9), quantizer="symmetric", key_bits=key_bits)
+    assert packed.key.implied_zero and packed.value.implied_zero
+
+
 def test_decode_left_padding_reaches_into_history():
     """Pads of 0, 3 (sink only), 11 (sink and history) and 40 tokens; the padded K/V are huge."""
     check_decode(4, 1, 4, 64, 40, torch.float16, pads=(0, 3, 11, 40))

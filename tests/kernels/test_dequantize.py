@@ -52,3 +52,14 @@ def test_dequantize_backend_falls_back_to_the_twin_where_the_kernel_cannot_serve
     dequantize_backend("triton", torch.device(DEVICE))(rows, None, got, bits=2)
     dequantize_backend("torch", torch.device(DEVICE))(rows, None, want, bits=2)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype, bits", [(torch.float16, 2), (torch.float32, 4)], ids=["fp16-int2", "fp32-int4"])
+def test_dequantize_kernel_symmetric_rows(dtype, bits):
+    """Rows with implied zeros (the symmetric quantizer) read as the twin reads them, bit for bit."""
+    kv = randn(2, 1, 2, 90, 64, seed=3).to(dtype)
+    packed = pack(kv[0], kv[1], sink=4, recent=8, bits=bits, quantizer="symmetric")
+    assert packed.key.zero.shape[-1] == 0 and packed.value.implied_zero
+    for side in ("key", "value"):
+        got = materialize(packed, side, fill=dequantize_triton.fill_history)
+        assert torch.equal(got, materialize(packed, side)), side

@@ -110,3 +110,18 @@ def test_write_kernel_rejects_scale_overflow():
     with pytest.raises(ValueError, match="scale_dtype"):
         quantize_pack(x, scale_dtype=torch.float16)
     assert_same_rows(quantize_pack(x, scale_dtype=torch.float32), quantize(x, scale_dtype=torch.float32))
+
+
+@pytest.mark.parametrize("d, bits, group, clip", [(128, 2, None, 0.96), (64, 4, 32, 1.0), (256, 2, 64, 0.92)],
+                         ids=["D128-int2", "D64-int4-g32", "D256-int2-g64"])
+def test_write_kernel_symmetric_quantizer(d, bits, group, clip):
+    """The symmetric grid: scales bit-identical to the quantizer's, no zeros stored, codes alike, centred or not."""
+    key, value = randn(2, 2, 3, 21, d, seed=d).to(torch.bfloat16).unbind(0)
+    center = randn(2, 3, 1, d, seed=1)
+    kwargs = dict(bits=bits, group_size=group, scale_dtype=torch.float16, method="symmetric")
+    assert write_supports(key, group or d, "symmetric", bits) and not write_supports(key, d, "lloyd-max", 2)
+    got_k, got_v = quantize_pack_kv(key, value, k_clip=clip, v_clip=clip, key_center=center, **kwargs)
+    want_k, want_v = quantize_kv(key, value, k_clip=clip, v_clip=clip, key_center=center, **kwargs)
+    assert got_k.zero.shape == (2, 3, 21, 0) and got_k.implied_zero
+    assert_same_rows(got_k, want_k)
+    assert_same_rows(got_v, want_v)

@@ -57,7 +57,8 @@ def append(packed: PackedKV, key: torch.Tensor, value: torch.Tensor, *, flags: t
                     if n_hist == 0:
                         center.copy_(old.mean(dim=2, keepdim=True))
                     old = old - center
-                quantized, error = _quantize(old, clip, bits, packed.group_size, rows.scale.dtype)
+                method = "symmetric" if rows.implied_zero else "uniform"
+                quantized, error = _quantize(old, clip, bits, packed.group_size, rows.scale.dtype, method)
                 flags[0] |= error << shift
                 for stored, part in zip(rows, quantized or ()):
                     stored[:, :, n_hist : n_hist + flush] = part
@@ -72,11 +73,12 @@ def append(packed: PackedKV, key: torch.Tensor, value: torch.Tensor, *, flags: t
     return rotate_queries(query, key_rotation).contiguous()
 
 
-def _quantize(rows: torch.Tensor, clip: float, bits: int, group: int, scale_dtype: torch.dtype):
-    """``(QuantizedRows, 0)`` of fp32 ``rows``, or ``(None, the flag bits the write kernel's tile sets)``."""
+def _quantize(rows: torch.Tensor, clip: float, bits: int, group: int, scale_dtype: torch.dtype, method: str):
+    """``(QuantizedRows, 0)`` of fp32 ``rows`` by the quantizer ``method``, or ``(None, the flag bits the write
+    kernel's tile sets)``."""
     if not bool(torch.isfinite(rows).all()):
         return None, flag_bits.NON_FINITE
     try:
-        return quantize(rows, bits=bits, group_size=group, clip=clip, scale_dtype=scale_dtype), 0
+        return quantize(rows, bits=bits, group_size=group, clip=clip, scale_dtype=scale_dtype, method=method), 0
     except ValueError:
         return None, flag_bits.OVERFLOW

@@ -79,7 +79,7 @@ def _ring_rows(ring, stride_rn, start, mu, n_hist, r_ptr, CAP: tl.constexpr, FLU
 @triton.jit
 def _demote_rows(xs, centers, codes, scale, zero, stride_cn, stride_zn, n_hist, mu, tiny, FLUSH: tl.constexpr,
                  BLOCK_F: tl.constexpr, CENTERED: tl.constexpr, CLIP_INDEX: tl.constexpr, D: tl.constexpr,
-                 GROUP: tl.constexpr, BITS: tl.constexpr, SCALE_DT: tl.constexpr):
+                 GROUP: tl.constexpr, BITS: tl.constexpr, SCALE_DT: tl.constexpr, SYMMETRIC: tl.constexpr):
     """:func:`_ring_rows`' rows, centered, clipped, quantized and packed into history rows ``n_hist ...`` (the means
     stored where they set them); returns the write kernel's flag (0, 1 non-finite, 2 overflow)."""
     W: tl.constexpr = D * BITS // 8
@@ -92,8 +92,9 @@ def _demote_rows(xs, centers, codes, scale, zero, stride_cn, stride_zn, n_hist, 
                 tl.store(mu + i * W + tl.arange(0, W), centers[i])
             centered = centered + (tl.where(live[:, None], xs[i] - centers[i][None, :], 0.0),)
         xs = centered
-    packed, scales, zeros, flag = quantize_tile(xs, tiny, CLIP_INDEX, GROUP, BITS, SCALE_DT)
-    store_rows(codes, scale, zero, (n_hist + r).to(tl.int64), stride_cn, stride_zn, live, packed, scales, zeros)
+    packed, scales, zeros, flag = quantize_tile(xs, tiny, CLIP_INDEX, GROUP, BITS, SCALE_DT, SYMMETRIC)
+    store_rows(codes, scale, zero, (n_hist + r).to(tl.int64), stride_cn, stride_zn, live, packed, scales, zeros,
+               SYMMETRIC)
     return flag
 
 
@@ -140,7 +141,7 @@ def _append_side(
     SINK: tl.constexpr, LIMIT: tl.constexpr, CAP: tl.constexpr, FLUSH: tl.constexpr, BLOCK_F: tl.constexpr,
     CENTERED: tl.constexpr, CLIP_INDEX: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
     SCALE_DT: tl.constexpr, ROTATE: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr, G_Q: tl.constexpr,
-    BLOCK_Q: tl.constexpr, FLAG_SHIFT: tl.constexpr,
+    BLOCK_Q: tl.constexpr, FLAG_SHIFT: tl.constexpr, SYMMETRIC: tl.constexpr,
 ):
     """One side (K or V) of the token of (batch, head) ``tl.program_id(0)``: stored into the sink or the ring, and,
     where the window is full, the side's FLUSH oldest ring rows demoted (rotated where ROTATE, by the head's
@@ -194,7 +195,7 @@ def _append_side(
             meta = b * stride_zb + h * stride_zh
             flag = _demote_rows(rows, centers, codes_ptr + b * stride_cb + h * stride_ch, scale_ptr + meta,
                                 zero_ptr + meta, stride_cn, stride_zn, n_hist, mu, tiny, FLUSH, BLOCK_F, CENTERED,
-                                CLIP_INDEX, D, GROUP, BITS, SCALE_DT)
+                                CLIP_INDEX, D, GROUP, BITS, SCALE_DT, SYMMETRIC)
             tl.atomic_or(flag_ptr, flag << FLAG_SHIFT, mask=flag != 0)
         # the new token's row is not one of those demoted (the ring has one more row than the window holds)
         tl.store(ring + ((start + n_rec) % CAP).to(tl.int64) * stride_rn + cols, x)
@@ -214,7 +215,7 @@ def _append_token_kernel(
     CENTERED: tl.constexpr, K_CLIP_INDEX: tl.constexpr, V_CLIP_INDEX: tl.constexpr, D: tl.constexpr,
     GROUP: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, SCALE_DT: tl.constexpr,
     ROTATE_K: tl.constexpr, ROTATE_V: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr,
-    G_Q: tl.constexpr, BLOCK_Q: tl.constexpr,
+    G_Q: tl.constexpr, BLOCK_Q: tl.constexpr, SYMMETRIC: tl.constexpr,
 ):
     # grid (B·H, 2): a program per (batch, KV head) and side, K (with the query rows) or V, so that the two sides'
     # demotions run side by side, of 8 warps (the demotion's clip rounds). PDL: launched early, a
@@ -228,14 +229,16 @@ def _append_token_kernel(
                      stride_zh, stride_zn, mu_k_ptr, stride_mu_b, stride_mu_h, rot_k_ptr, stride_rot_kh, q_ptr,
                      stride_qb, stride_qh,
                      q_out_ptr, counts_ptr, flag_ptr, tiny, H, max_len, SINK, LIMIT, CAP, FLUSH, BLOCK_F, CENTERED,
-                     K_CLIP_INDEX, D, GROUP, K_BITS, SCALE_DT, ROTATE_K, FP32_DOT, PDL, G_Q, BLOCK_Q, K_FLAGS)
+                     K_CLIP_INDEX, D, GROUP, K_BITS, SCALE_DT, ROTATE_K, FP32_DOT, PDL, G_Q, BLOCK_Q, K_FLAGS,
+                     SYMMETRIC)
     else:
         _append_side(v_ptr, stride_nb, stride_nh, sv_ptr, stride_sb, stride_sh, stride_sn, rv_ptr, stride_rb,
                      stride_rh, stride_rn, vc_ptr, vs_ptr, vz_ptr, stride_vcb, stride_vch, stride_vcn, stride_zb,
                      stride_zh, stride_zn, mu_v_ptr, stride_mu_b, stride_mu_h, rot_v_ptr, stride_rot_vh, q_ptr,
                      stride_qb, stride_qh,
                      q_out_ptr, counts_ptr, flag_ptr, tiny, H, max_len, SINK, LIMIT, CAP, FLUSH, BLOCK_F, CENTERED,
-                     V_CLIP_INDEX, D, GROUP, V_BITS, SCALE_DT, ROTATE_V, FP32_DOT, PDL, 0, BLOCK_Q, V_FLAGS)
+                     V_CLIP_INDEX, D, GROUP, V_BITS, SCALE_DT, ROTATE_V, FP32_DOT, PDL, 0, BLOCK_Q, V_FLAGS,
+                     SYMMETRIC)
 
 
 def head_rotation(rotation: torch.Tensor | None, heads: int, placeholder: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -258,6 +261,9 @@ def _launch(key, value, key_rotation, value_rotation, windows, history, center, 
     key, value = key.contiguous(), value.contiguous()
     sink_k, sink_v, rec_k, rec_v = windows
     kc, ks, kz, vc, vs, vz = history
+    symmetric = kz.shape[-1] == 0  # zeros implied by the scales (the symmetric quantizer), on both sides
+    if symmetric != (vz.shape[-1] == 0):
+        raise ValueError("the append kernel stores zeros on both sides or on neither")
     mu = (*center, *center[0].stride()[:2]) if center else (key, key, 0, 0)
     q = q_out = key  # placeholders without a query (G_Q = 0: never read)
     if query is not None:
@@ -282,7 +288,8 @@ def _launch(key, value, key_rotation, value_rotation, windows, history, center, 
             K_CLIP_INDEX=k_clip_index, V_CLIP_INDEX=v_clip_index, D=d, GROUP=group, K_BITS=key_bits, V_BITS=value_bits,
             SCALE_DT=TL_DTYPES[ks.dtype], ROTATE_K=key_rotation is not None, ROTATE_V=value_rotation is not None,
             FP32_DOT=key.dtype == torch.bfloat16 and interpreting, PDL=pdl,
-            G_Q=group_q, BLOCK_Q=max(16, triton.next_power_of_2(group_q)), num_warps=8, launch_pdl=pdl,
+            G_Q=group_q, BLOCK_Q=max(16, triton.next_power_of_2(group_q)), SYMMETRIC=symmetric, num_warps=8,
+            launch_pdl=pdl,
         )
     return None if query is None else q_out
 

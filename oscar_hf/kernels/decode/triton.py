@@ -218,21 +218,33 @@ def _column_tokens(n, BLOCK_G: tl.constexpr):
 
 
 @triton.jit
-def _meta(ks, kz, vs, vz, n, hi, NG: tl.constexpr, MASKED: tl.constexpr, PAIRED: tl.constexpr, BLOCK_G: tl.constexpr):
+def _meta(ks, kz, vs, vz, n, hi, NG: tl.constexpr, MASKED: tl.constexpr, PAIRED: tl.constexpr, BLOCK_G: tl.constexpr,
+          K_BITS: tl.constexpr, V_BITS: tl.constexpr, SYMMETRIC: tl.constexpr):
     """Raw (scale dtype) K scale, K zero, V scale, V zero of tile rows ``n`` (MASKED: of the tokens below ``hi``), per
     group: a tuple of 4·NG vectors ``[rows]``, or with PAIRED (row ``n`` = tokens ``2n``, ``2n + 1``) ``[rows,
     BLOCK_G]``, the first token's value in the even columns. Each is read as one ``[rows, NG]`` (``2·NG``)
     block of contiguous rows, so that the loop pipeliner streams it through shared memory as it does the codes (no
-    register prefetch waiting in the loop)."""
+    register prefetch waiting in the loop). SYMMETRIC: no zeros are read; each is ``-scale·(2^bits - 1)/2`` (fp32)."""
     NGR: tl.constexpr = 2 * NG if PAIRED else NG
     cols = tl.arange(0, NGR)
     offs = n[:, None] * NGR + cols[None, :]
     if MASKED:
         live = _tokens(n, cols, NG) < hi if PAIRED else (n < hi)[:, None]
-        blocks = (tl.load(ks + offs, mask=live, other=0), tl.load(kz + offs, mask=live, other=0),
-                  tl.load(vs + offs, mask=live, other=0), tl.load(vz + offs, mask=live, other=0))
+        k_s = tl.load(ks + offs, mask=live, other=0)
+        v_s = tl.load(vs + offs, mask=live, other=0)
+        if not SYMMETRIC:
+            k_z = tl.load(kz + offs, mask=live, other=0)
+            v_z = tl.load(vz + offs, mask=live, other=0)
     else:
-        blocks = (tl.load(ks + offs), tl.load(kz + offs), tl.load(vs + offs), tl.load(vz + offs))
+        k_s = tl.load(ks + offs)
+        v_s = tl.load(vs + offs)
+        if not SYMMETRIC:
+            k_z = tl.load(kz + offs)
+            v_z = tl.load(vz + offs)
+    if SYMMETRIC:
+        k_z = k_s.to(tl.float32) * (-((1 << K_BITS) - 1) / 2)
+        v_z = v_s.to(tl.float32) * (-((1 << V_BITS) - 1) / 2)
+    blocks = (k_s, k_z, v_s, v_z)
     second = _column_token(BLOCK_G) == 1
     out = ()
     for g in tl.static_range(NG):
@@ -365,6 +377,7 @@ def _codes_tile(
     Q_LEN: tl.constexpr, DT: tl.constexpr,
     MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr, MANTISSA: tl.constexpr, FAST_UNPACK: tl.constexpr,
     FP32_DOT: tl.constexpr, STREAM_META: tl.constexpr, MASKED: tl.constexpr, PAIRED: tl.constexpr,
+    SYMMETRIC: tl.constexpr,
 ):
     """One history tile of :func:`_attend_codes` at tokens ``start + [0, BLOCK_N)`` (MASKED: those below ``hi``;
     else all of them), a row per token or, PAIRED, per two (:func:`_attend_codes`). ``state``: m (in raw logit
@@ -387,10 +400,10 @@ def _codes_tile(
     n = start // (BLOCK_N // ROWS) + tl.arange(0, ROWS)  # tile rows: tokens, or token pairs
     n_next = n + step // (BLOCK_N // ROWS)  # the program's next tile
     if STREAM_META:
-        meta = _meta(ks, kz, vs, vz, n, hi, NG, MASKED, PAIRED, BLOCK_G)
+        meta = _meta(ks, kz, vs, vz, n, hi, NG, MASKED, PAIRED, BLOCK_G, K_BITS, V_BITS, SYMMETRIC)
         meta_next = ()
     else:
-        meta_next = _meta(ks, kz, vs, vz, n_next, hi, NG, True, PAIRED, BLOCK_G)
+        meta_next = _meta(ks, kz, vs, vz, n_next, hi, NG, True, PAIRED, BLOCK_G, K_BITS, V_BITS, SYMMETRIC)
     if PAIRED:
         mask_next = _mask_pairs(mask_row, stride_mq, stride_mt, _column_tokens(n_next, BLOCK_G), pos0, hi, query,
                                 HAS_MASK)
@@ -430,7 +443,7 @@ def _attend_codes(
     GROUP: tl.constexpr, W_K: tl.constexpr, W_V: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
     Q_LEN: tl.constexpr, DT: tl.constexpr,
     MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr, MANTISSA: tl.constexpr, FAST_UNPACK: tl.constexpr,
-    FP32_DOT: tl.constexpr, NUM_STAGES: tl.constexpr, PAIRED: tl.constexpr,
+    FP32_DOT: tl.constexpr, NUM_STAGES: tl.constexpr, PAIRED: tl.constexpr, SYMMETRIC: tl.constexpr,
 ):
     """History tiles of tokens ``lo + i·step`` onwards, below ``hi`` (``step`` a multiple of ``BLOCK_N``), tokens as the
     MMA rows. ``kc``/``vc``: the codes as contiguous rows of ``HW`` halfwords: a token's ``W/2``, or PAIRED (``W < 32``:
@@ -494,7 +507,8 @@ def _attend_codes(
     m = tl.full([BLOCK_G], -1.0e30, tl.float32)  # finite: a fully masked tile leaves alpha = 1 and p = 0
     den = tl.zeros([BLOCK_G], tl.float32)
     first = lo // (2 if PAIRED else 1) + tl.arange(0, BLOCK_N // 2 if PAIRED else BLOCK_N)  # the first tile's rows
-    meta_next = () if STREAM_META else _meta(ks, kz, vs, vz, first, hi, NG, True, PAIRED, BLOCK_G)
+    meta_next = () if STREAM_META else _meta(ks, kz, vs, vz, first, hi, NG, True, PAIRED, BLOCK_G, K_BITS, V_BITS,
+                                             SYMMETRIC)
     if PAIRED:
         mask_next = _mask_pairs(mask_row, stride_mq, stride_mt, _column_tokens(first, BLOCK_G), pos0, hi, query,
                                 HAS_MASK)
@@ -507,13 +521,13 @@ def _attend_codes(
                             qk_scale, query, qts, qsums, q_offs, cap, q_mu, SOFTCAP, K_BITS, V_BITS, GROUP, W_K,
                             W_V, BLOCK_N,
                             HAS_MASK, Q_LEN, DT, MAGIC_BITS, MAGIC_VALUE, MANTISSA, FAST_UNPACK, FP32_DOT, STREAM_META,
-                            False, PAIRED)
+                            False, PAIRED, SYMMETRIC)
     for start in tl.range(full, hi, step, num_stages=1):  # the last, partial tile, if it is the program's
         state = _codes_tile(state, start, step, hi, pos0, kc, ks, kz, vc, vs, vz, mask_row, stride_mq, stride_mt,
                             qk_scale, query, qts, qsums, q_offs, cap, q_mu, SOFTCAP, K_BITS, V_BITS, GROUP, W_K,
                             W_V, BLOCK_N,
                             HAS_MASK, Q_LEN, DT, MAGIC_BITS, MAGIC_VALUE, MANTISSA, FAST_UNPACK, FP32_DOT, STREAM_META,
-                            True, PAIRED)
+                            True, PAIRED, SYMMETRIC)
     m, den, pss, pzs, accs, _, _ = state
     if PAIRED:  # each column's weight in its query row's softmax, whose max is that of the row's two columns
         HALF: tl.constexpr = BLOCK_G // 2
@@ -588,7 +602,7 @@ def _decode_stage1_kernel(
     DT: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC_VALUE: tl.constexpr,
     MANTISSA: tl.constexpr, FAST_UNPACK: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr,
     NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, PAIRED: tl.constexpr, WINDOW_TILES: tl.constexpr,
-    SOFTCAP: tl.constexpr, CENTERED: tl.constexpr,
+    SOFTCAP: tl.constexpr, CENTERED: tl.constexpr, SYMMETRIC: tl.constexpr,
 ):
     """Query row ``c = r·Q_LEN + t`` of a program is query head ``h·G_Q + r`` at query token ``t``; its partial
     output and lse go to row ``(b·Hq + h·G_Q + r)·Q_LEN + t``. Window programs read q (``q_ptr``), history programs
@@ -642,7 +656,7 @@ def _decode_stage1_kernel(
             mask_row, stride_mq, stride_mt, qk_scale, heads % Q_LEN, cap, q_mu, SOFTCAP, K_BITS, V_BITS, GROUP,
             W_K, W_V,
             BLOCK_N, HAS_MASK, Q_LEN, DT, MAGIC_BITS, MAGIC_VALUE, MANTISSA, FAST_UNPACK, FP32_DOT, NUM_STAGES,
-            PAIRED,
+            PAIRED, SYMMETRIC,
         )
         heads = tl.arange(0, BLOCK_G // 2 if PAIRED else BLOCK_G)
         keep = heads < G_Q * Q_LEN
@@ -820,6 +834,11 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
     # code rows narrower than 32 bytes (D = 64 at 2 bits): two tokens' per tile row where that leaves at most 16
     # columns (each query row twice), else bytes
     paired = d * min(key_bits, value_bits) // 8 < 32 and 2 * rows <= 16
+    symmetric = history[2].shape[-1] == 0  # zeros implied by the scales (the symmetric quantizer), on both sides
+    if symmetric != (history[5].shape[-1] == 0):
+        raise ValueError("decode reads zeros on both sides or on neither")
+    if symmetric:  # the scales stand in for the zeros' pointers (never read)
+        history = [history[0], history[1], history[1], history[3], history[4], history[4]]
     history = [t.view(torch.int16) if t.dtype == torch.uint8 and (paired or t.shape[-1] >= 32) else t
                for t in history]
     if any(t.stride(2) != t.shape[3] for t in history[::3]):
@@ -848,7 +867,7 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
             FP32_DOT=dt == tl.bfloat16 and interpreting, PDL=pdl, NUM_STAGES=cfg.num_stages,
             PREFETCH=window_prefetch(cfg, batch * heads, history[0].shape[2], splits, query.device)
             and not interpreting, PAIRED=paired, WINDOW_TILES=window_tiles, SOFTCAP=softcap is not None,
-            CENTERED=bool(center), num_warps=cfg.num_warps,
+            CENTERED=bool(center), SYMMETRIC=symmetric, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, launch_pdl=pdl,
             **({"maxnreg": cfg.max_registers} if cfg.max_registers and not interpreting else {}),
         )

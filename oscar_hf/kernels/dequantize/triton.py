@@ -26,9 +26,11 @@ def _dequantize_kernel(
     stride_ob, stride_oh, stride_on,
     n_tokens, H,
     D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, CENTERED: tl.constexpr,
+    SYMMETRIC: tl.constexpr,
 ):
     """Grid ``B·H × cdiv(n_tokens, BLOCK_N)``. Byte ``j`` of a token's codes holds channels ``j + i·W`` at bit
-    ``i·bits`` (``W = D·bits/8``); its scale and zero are ``[n_tokens, D/GROUP]``."""
+    ``i·bits`` (``W = D·bits/8``); its scale and zero are ``[n_tokens, D/GROUP]`` (SYMMETRIC: no zero, it is
+    ``-scale·(2^bits - 1)/2``)."""
     W: tl.constexpr = D * BITS // 8
     bh = tl.program_id(0)
     b = (bh // H).to(tl.int64)
@@ -44,7 +46,10 @@ def _dequantize_kernel(
         channel = i * W + byte
         code = ((packed >> (i * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
         scale = tl.load(scale_ptr + meta + (channel // GROUP)[None, :], mask=live, other=0).to(tl.float32)
-        zero = tl.load(zero_ptr + meta + (channel // GROUP)[None, :], mask=live, other=0).to(tl.float32)
+        if SYMMETRIC:
+            zero = scale * (-((1 << BITS) - 1) / 2)
+        else:
+            zero = tl.load(zero_ptr + meta + (channel // GROUP)[None, :], mask=live, other=0).to(tl.float32)
         x = zero + scale * code
         if CENTERED:
             x += tl.load(center_ptr + b * stride_mu_b + h * stride_mu_h + channel)[None, :]
@@ -70,12 +75,13 @@ def supports_rows(dim: int, bits: int) -> bool:
 def dequantize_rows(rows: QuantizedRows, center: torch.Tensor | None, out: torch.Tensor, *, bits: int) -> None:
     """Per-token rows (codes ``[B, H, n, D·bits/8]`` uint8, scale and zero ``[B, H, n, D/group]``) dequantized,
     plus ``center [B, H, 1, D]`` (fp32) where given, written into ``out [B, H, n, D]`` (fp32, fp16 or bf16, any
-    strides along its first three dims). Scale and zero share strides (they are allocated alike)."""
+    strides along its first three dims). Scale and zero share strides (they are allocated alike); a zero of
+    ``[..., 0]`` is implied by the scale (``QuantizedRows.implied_zero``)."""
     batch, heads, n, dim = out.shape
     if not n:
         return
     codes, scale, zero = rows
-    if zero.stride() != scale.stride():
+    if not rows.implied_zero and zero.stride() != scale.stride():
         raise ValueError(f"scale and zero must share strides (the kernel reads both with scale's); got "
                          f"{scale.stride()} and {zero.stride()}")
     centered = center is not None
@@ -86,7 +92,7 @@ def dequantize_rows(rows: QuantizedRows, center: torch.Tensor | None, out: torch
             *codes.stride()[:3], *scale.stride()[:3], *center.stride()[:2], *out.stride()[:3],
             n, heads,
             D=dim, BITS=bits, GROUP=dim // scale.shape[-1], BLOCK_N=BLOCK_N, CENTERED=centered,
-            num_warps=4, enable_fp_fusion=False,
+            SYMMETRIC=rows.implied_zero, num_warps=4, enable_fp_fusion=False,
         )
 
 
