@@ -61,6 +61,9 @@ def parse_args():
     p.add_argument("--smoke", action="store_true", help="CPU/TRITON_INTERPRET=1 run of the whole script, tiny shapes")
     p.add_argument("--shapes", default=None, help="comma-separated subset of the grid's shapes")
     p.add_argument("--key-bits", type=int, choices=(2, 4), default=2, help="K's bits (V's are 2)")
+    p.add_argument("--quantizer", choices=("uniform", "symmetric"), default="uniform",
+                   help="the history's grid: uniform (a scale and a zero per token and side) or symmetric (a scale "
+                        "alone)")
     p.add_argument("--out", default="eval/results", help="folder for the CSV")
     return p.parse_args()
 
@@ -101,9 +104,9 @@ def check_write() -> None:
         k, v = ((torch.randn(4, rows, d, device=DEVICE) * 3).to(dtype) for _ in range(2))
         clip = OscarConfig(key_bits=ARGS.key_bits).side_clip  # as the cache clips: 2-bit rows only
         got = quantize_pack_kv(k, v, key_bits=ARGS.key_bits, group_size=group, k_clip=clip["key"],
-                               v_clip=clip["value"])
-        want = (quantize(k, bits=ARGS.key_bits, group_size=group, clip=clip["key"]),
-                quantize(v, group_size=group, clip=clip["value"]))
+                               v_clip=clip["value"], method=ARGS.quantizer)
+        want = (quantize(k, bits=ARGS.key_bits, group_size=group, clip=clip["key"], method=ARGS.quantizer),
+                quantize(v, group_size=group, clip=clip["value"], method=ARGS.quantizer))
         for g, w in zip(got, want):
             if not all(torch.equal(a, b) for a, b in zip(g, w)):
                 sys.exit(f"ABORT: write kernel differs from quantizer.quantize (D={d}, group={group}, {dtype})")
@@ -114,7 +117,8 @@ def check_decode(fast_unpack: bool) -> bool:
     """Real layers (prefill + one decode step through the triton writer, left padding) vs the torch twin."""
     cases = ((4, 128, torch.bfloat16, 700), (4, 64, torch.float16, 300), (8, 256, torch.bfloat16, 90))
     for groups, d, dtype, n in cases[:1] if ARGS.smoke or ARGS.quick else cases:
-        cfg = OscarConfig(sink_tokens=8, recent_tokens=16, flush_tokens=4, key_bits=ARGS.key_bits, backend="triton")
+        cfg = OscarConfig(sink_tokens=8, recent_tokens=16, flush_tokens=4, key_bits=ARGS.key_bits, backend="triton",
+                          quantizer=ARGS.quantizer)
         layer = DynamicOscarLayer(cfg, torch.eye(d), torch.eye(d))
         kv = torch.randn(2, 2, 2, n, d, device=DEVICE).to(dtype)
         kv[:, 1, :, :37] = 30.0  # left padding with huge K/V: a leak would show
@@ -145,10 +149,10 @@ def check_decode(fast_unpack: bool) -> bool:
 # ------------------------------------------------------------------------------------------- synthetic data
 def synthetic_packed(batch: int, heads: int, d: int, n_hist: int, dtype=torch.bfloat16) -> PackedKV:
     """A PackedKV holding SINK + n_hist + RECENT tokens of random data (codes need no quantization to time),
-    centered, K codes of ``--key-bits``, its counts on the device as a static cache holds them (the launch reads no
-    host state: CUDA-graph capturable)."""
+    centered, K codes of ``--key-bits``, zeros stored or implied by ``--quantizer``, its counts on the device as a
+    static cache holds them (the launch reads no host state: CUDA-graph capturable)."""
     packed = PackedKV.empty(batch, heads, d, sink=SINK, history=n_hist, recent=RECENT, dtype=dtype, device=DEVICE,
-                            key_bits=ARGS.key_bits, centered=True)
+                            key_bits=ARGS.key_bits, centered=True, implied_zero=ARGS.quantizer == "symmetric")
     for t in packed.windows:
         t.normal_()
     for rows, (s_lo, s_hi, z_lo, z_hi) in ((packed.key, (0.02, 0.05, -0.1, -0.05)),
@@ -163,8 +167,9 @@ def synthetic_packed(batch: int, heads: int, d: int, n_hist: int, dtype=torch.bf
 
 
 def history_bytes(batch: int, heads: int, d: int, n_hist: int) -> int:
-    """The history's K and V codes and their fp16 scales and zeros (one each per token)."""
-    return batch * heads * n_hist * (d * (ARGS.key_bits + 2) // 8 + 8)
+    """The history's K and V codes and their fp16 scales and zeros (one each per token; no zeros with the symmetric
+    quantizer)."""
+    return batch * heads * n_hist * (d * (ARGS.key_bits + 2) // 8 + (4 if ARGS.quantizer == "symmetric" else 8))
 
 
 def packed_bytes(batch: int, hq: int, heads: int, d: int, n_hist: int) -> int:
@@ -275,10 +280,11 @@ def read_time(nbytes: int) -> GraphTime:
 
 @triton.jit
 def _layout_read_kernel(kc, vc, ks, kz, vs, vz, out_ptr, stride_kb, stride_kh, stride_vb, stride_vh, stride_zb,
-                        stride_zh, H, n_hist, S, WK: tl.constexpr, WV: tl.constexpr, TN: tl.constexpr):
+                        stride_zh, H, n_hist, S, WK: tl.constexpr, WV: tl.constexpr, TN: tl.constexpr,
+                        ZEROS: tl.constexpr):
     """Sums what a decode's history program reads (grid ``B·H × S``): the K and V code rows (int32 words, ``WK`` and
-    ``WV`` per token) and the four scale/zero vectors of tiles ``split, split + S, ...`` of ``TN`` tokens, with the
-    decode's layout and split pattern and no arithmetic on them."""
+    ``WV`` per token) and the scale (and, ZEROS, zero) vectors of tiles ``split, split + S, ...`` of ``TN`` tokens,
+    with the decode's layout and split pattern and no arithmetic on them."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -293,8 +299,8 @@ def _layout_read_kernel(kc, vc, ks, kz, vs, vz, out_ptr, stride_kb, stride_kh, s
         v = tl.load(vc + b * stride_vb + h * stride_vh + rows[:, None] * WV + tl.arange(0, WV)[None, :],
                     mask=live[:, None], other=0)
         acc += tl.sum(k, axis=1) + tl.sum(v, axis=1)
-        for vec in tl.static_range(4):
-            ptr = ks if vec == 0 else kz if vec == 1 else vs if vec == 2 else vz
+        for vec in tl.static_range(4 if ZEROS else 2):
+            ptr = (ks if vec == 0 else vs if vec == 1 else kz if vec == 2 else vz)
             acc += tl.load(ptr + meta + rows, mask=live, other=0).to(tl.int32)
     tl.store(out_ptr + bh * tl.num_programs(1) + split, tl.sum(acc, axis=0))
 
@@ -313,10 +319,13 @@ def layout_read_time(layers: list[PackedKV], batch: int, configs: list[DecodeCon
 
         def call(p, splits=splits, warps=warps, out=out):
             kc, vc = (rows.codes.view(torch.int32) for rows in (p.key, p.value))
-            metas = [t.view(torch.int16) for t in (p.key.scale, p.key.zero, p.value.scale, p.value.zero)]
+            zeros = not p.key.implied_zero
+            scales = (p.key.scale, p.key.zero if zeros else p.key.scale, p.value.scale,
+                      p.value.zero if zeros else p.value.scale)  # (the scales stand in for absent zeros: unread)
+            metas = [t.view(torch.int16) for t in scales]
             _layout_read_kernel[(batch * p.heads, splits)](
                 kc, vc, *metas, out, *kc.stride()[:2], *vc.stride()[:2], *metas[0].stride()[:2], p.heads, n_hist,
-                splits, WK=kc.shape[-1], WV=vc.shape[-1], TN=configs[0].block_n, num_warps=warps)
+                splits, WK=kc.shape[-1], WV=vc.shape[-1], TN=configs[0].block_n, ZEROS=zeros, num_warps=warps)
 
         times.append(graph_time([lambda p=p: call(p) for p in layers]))
     return GraphTime(min(t.flushed for t in times), min(t.steady for t in times))
@@ -459,7 +468,8 @@ def bench_verify(context: int, q_len: int = 4) -> dict:
     kernel (``dequantize.triton.fill_history``), each followed by SDPA. Aborts if the kernel disagrees with the torch
     twin."""
     hq, heads, d = SHAPES["qwen3-8b"]
-    config = OscarConfig(sink_tokens=SINK, recent_tokens=RECENT, key_bits=ARGS.key_bits, backend="triton")
+    config = OscarConfig(sink_tokens=SINK, recent_tokens=RECENT, key_bits=ARGS.key_bits, backend="triton",
+                         quantizer=ARGS.quantizer)
     layer = DynamicOscarLayer(config, torch.eye(d), torch.eye(d))
     k, v = (torch.randn(1, heads, context, d, device=DEVICE).to(torch.bfloat16) for _ in range(2))
     layer.update(k[:, :, :-q_len], v[:, :, :-q_len])
@@ -496,11 +506,12 @@ def bench_write(tokens: int) -> dict:
     centers = {f"{side}_center": x.mean(dim=2, keepdim=True, dtype=torch.float32)
                for side, x in (("key", k), ("value", v))}
     clip = OscarConfig(key_bits=ARGS.key_bits).side_clip
-    kwargs = dict(key_bits=ARGS.key_bits, k_clip=clip["key"], v_clip=clip["value"], **centers)
+    kwargs = dict(key_bits=ARGS.key_bits, k_clip=clip["key"], v_clip=clip["value"], method=ARGS.quantizer, **centers)
     kernel_ms, eager_ms = (timer(lambda: quantize_pack_kv(k, v, **kwargs)) for timer in (device_time, eager_time))
     torch_ms = device_time(lambda: quantize_kv(k, v, **kwargs))
     rotation = hadamard_matrix(d).float().to(DEVICE)
-    config = OscarConfig(sink_tokens=SINK, recent_tokens=RECENT, key_bits=ARGS.key_bits, backend="triton")
+    config = OscarConfig(sink_tokens=SINK, recent_tokens=RECENT, key_bits=ARGS.key_bits, backend="triton",
+                         quantizer=ARGS.quantizer)
     update_ms = device_time(lambda: DynamicOscarLayer(config, rotation, rotation).update(k, v))
     q = torch.randn(1, hq, tokens, d, device=DEVICE).to(torch.bfloat16)
     kr, vr = (t.repeat_interleave(hq // heads, dim=1) for t in (k, v))
@@ -553,8 +564,9 @@ def main():
     verify = [bench_verify(t) for t in ((400,) if ARGS.smoke else (32768, 131072))]
     out = Path(ARGS.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"bench_decode_{device_slug(env)}{'-k4' if ARGS.key_bits == 4 else ''}.csv"
-    rows = [{**row, "key_bits": ARGS.key_bits, "copy_GBps": copy_gbps, **{f"write_{k}": v for k, v in write.items()},
+    suffix = ("-k4" if ARGS.key_bits == 4 else "") + ("-symmetric" if ARGS.quantizer == "symmetric" else "")
+    path = out / f"bench_decode_{device_slug(env)}{suffix}.csv"
+    rows = [{**row, "key_bits": ARGS.key_bits, "quantizer": ARGS.quantizer, "copy_GBps": copy_gbps, **{f"write_{k}": v for k, v in write.items()},
              **verify[-1]} for row in rows]
     with open(path, "w", newline="") as f:  # the copy bandwidth, write and verify results repeat on every row
         writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else [])

@@ -58,6 +58,8 @@ def test_methods_registry_presets():
         "oscar-k4",
         "oscar-int4",
         "oscar-k4-half",
+        "oscar-k4-half-symmetric",
+        "oscar-symmetric",
         "oscar-channel-k",
         "oscar-lloyd-max",
         "oscar-pq1",
@@ -71,6 +73,8 @@ def test_methods_registry_presets():
     oscar4 = make_cache("oscar-int4", model, OscarRotations.hadamard(model.config))
     assert oscar4.config.side_bits == {"key": 4, "value": 4} and oscar4.config.side_clip == {"key": 1.0, "value": 1.0}
     assert oscar4.config.centering
+    symmetric = make_cache("oscar-symmetric", model, OscarRotations.hadamard(model.config))
+    assert symmetric.config.quantizer == "symmetric" and symmetric.config.bits_per_element(64) == 2.25
     assert make_cache("quarot-int2", model).rotations.method == "hadamard"
     assert make_cache("naive-int2", model).rotations.method == "identity"
     bundle = OscarRotations.hadamard(model.config)
