@@ -123,7 +123,7 @@ class OscarConfig:
                               ("key_quantization", KEY_LAYOUTS), ("backend", BACKENDS)):
             if not isinstance(getattr(self, name), str) or getattr(self, name) not in choices:
                 self._fail(name, " or ".join(map(repr, choices)))
-        if not set(self.side_bits.values()) <= set(self.grid.bits):
+        if 4 in self.side_bits.values() and 4 not in self.grid.bits:
             self._fail("quantizer", f"'uniform' with 4-bit K or V ({self.quantizer!r} has 2-bit levels only)")
         for name in ("centering", "quantize_sliding"):
             if not isinstance(getattr(self, name), bool):
