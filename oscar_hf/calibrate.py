@@ -283,7 +283,7 @@ def calibrate(
     config: OscarConfig | None = None,
     show_progress: bool = True,
     per_head: bool = False,
-    choose_layout: bool = False,
+    choose_layout: bool | None = None,
     bit_budget: float | None = None,
     key_codebook_bits: Sequence[int] = (),
 ) -> OscarRotations:
@@ -307,7 +307,10 @@ def calibrate(
         choose_layout: choose the bundle's config (a 2-bit K layout per token or per channel, centering, then
             4-bit K in the layers where it pays) on the held-out tokens, within ``bit_budget`` history bits per
             element (default 2.6, or the 2-bit layout's cost where that is more): :mod:`oscar_hf.layout_choice`.
-            Needs held-out tokens (``diagnostic_tokens > 0``, and text enough for them).
+            Needs held-out tokens (``diagnostic_tokens > 0``, and text enough for them). None (default): choose
+            where no ``config`` is given and the first held-out chunk outlasts the default windows (so that the
+            layouts are scored on quantized tokens), as the on-demand path and ``oscar-hf calibrate`` do; a
+            multi-head latent attention model keeps its latent layout.
         key_codebook_bits: bit widths (1, 2) of product-quantized key codebooks to train on the calibration tokens
             (:mod:`oscar_hf.codebooks`), for ``key_quantization="product"``; ``config``'s own are always trained.
     Returns:
@@ -322,12 +325,14 @@ def calibrate(
         if value not in allowed:
             raise ValueError(f"{name} must be one of {allowed}; got {value!r}")
     for name, value in (("per_head", per_head), ("choose_layout", choose_layout)):
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} must be True or False; got {value!r}")
+        if not isinstance(value, bool) and not (name == "choose_layout" and value is None):
+            raise ValueError(f"{name} must be True or False{' or None' if name == 'choose_layout' else ''}; got "
+                             f"{value!r}")
     if choose_layout and diagnostic_tokens < 1:
         raise ValueError("choose_layout scores the layouts on held-out tokens: give diagnostic_tokens > 0")
-    if bit_budget is not None and not choose_layout:
+    if bit_budget is not None and choose_layout is False:
         raise ValueError("bit_budget is the budget of choose_layout=True")
+    given_config = config is not None
     for name, value in (("num_tokens", num_tokens), ("max_length", max_length), ("batch_size", batch_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer; got {value!r}")
@@ -342,6 +347,10 @@ def calibrate(
         raise ValueError("key codebooks are for per-head K/V: a multi-head latent attention model stores its latent")
     chunks, held_out = token_chunks(tokenizer, texts, num_tokens, max_length, diagnostic_tokens)
     used = sum(c.numel() for c in chunks)
+    if choose_layout is None:
+        choose_layout = bit_budget is not None or (
+            not given_config and shape.latent is None and bool(held_out)
+            and held_out[0].numel() > config.sink_tokens + config.recent_tokens)
 
     data_parallel = _data_parallel(model)
     device = process_state().device if data_parallel else model.device

@@ -112,10 +112,25 @@ def test_calibrate_chooses_on_its_held_out_tokens_and_info_shows_the_choice(tmp_
     assert json.loads(out.split("calibration: ")[1].splitlines()[0])["layout"]["budget_bits"] == 3.2
 
 
+def test_plain_calibrate_chooses_the_layout_as_the_on_demand_path_does():
+    """calibrate() with no config chooses the layout on its held-out tokens where they outlast the default windows
+    (64 + 256 tokens), as the on-demand path and the CLI do; a given config, or held-out chunks no longer than the
+    windows, keep the config as given (with its diagnostics)."""
+    model = make_model(ARCH)
+    chosen = quick_calibrate(model, token_ids(4, 512), max_length=512, num_tokens=1024, diagnostic_tokens=1024)
+    assert "chosen" in chosen.calibration["layout"]
+    kept = quick_calibrate(model, token_ids(4, 512), max_length=512, num_tokens=1024, diagnostic_tokens=1024,
+                           config=OscarConfig())
+    short = quick_calibrate(model, token_ids(8, 256), max_length=256, num_tokens=1024, diagnostic_tokens=1024)
+    for rotations in (kept, short):
+        assert "layout" not in rotations.calibration and rotations.diagnostics
+        assert rotations.config == OscarConfig()
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(choose_layout=True, diagnostic_tokens=0), "diagnostic_tokens > 0"),
     (dict(choose_layout=True, diagnostic_tokens=64), "the text left none after the 64 calibration tokens"),
-    (dict(bit_budget=3.0), "bit_budget is the budget of choose_layout"),
+    (dict(bit_budget=3.0, choose_layout=False), "bit_budget is the budget of choose_layout"),
     (dict(choose_layout="yes"), "choose_layout must be True or False"),
 ])
 def test_calibrate_refuses_a_layout_choice_it_cannot_make(kwargs, message):
