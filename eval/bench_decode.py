@@ -566,8 +566,8 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     suffix = ("-k4" if ARGS.key_bits == 4 else "") + ("-symmetric" if ARGS.quantizer == "symmetric" else "")
     path = out / f"bench_decode_{device_slug(env)}{suffix}.csv"
-    rows = [{**row, "key_bits": ARGS.key_bits, "quantizer": ARGS.quantizer, "copy_GBps": copy_gbps, **{f"write_{k}": v for k, v in write.items()},
-             **verify[-1]} for row in rows]
+    rows = [{**row, "key_bits": ARGS.key_bits, "quantizer": ARGS.quantizer, "copy_GBps": copy_gbps,
+             **{f"write_{k}": v for k, v in write.items()}, **verify[-1]} for row in rows]
     with open(path, "w", newline="") as f:  # the copy bandwidth, write and verify results repeat on every row
         writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else [])
         writer.writeheader()
