@@ -111,7 +111,6 @@ def cmd_calibrate(args) -> None:
     from .autocalibrate import CALIBRATE_DEFAULTS, SHIPPED_TEXT_NAME, bundle_folder
     from .calibrate import calibrate, calibration_token_ids, process_state
     from .diagnostics import format_table
-    from .model_support import ModelShape
     from .recipes import load_recipe, recipe_for_model
 
     if args.key_bits_fraction is not None and (args.key_bits is None or not 0 <= args.key_bits_fraction <= 1):
@@ -129,15 +128,8 @@ def cmd_calibrate(args) -> None:
     for key in ("num_tokens", "max_length", "k_target", "v_target", "composition", "eigen_order", "per_head"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
-    choose = args.choose_layout
-    if choose is None:  # by default: a model without a recipe, where the held-out tokens reach the history
-        choose = args.bit_budget is not None or (
-            recipe is None and args.key_bits is None and ModelShape.from_config(model.config).latent is None
-            and held_out_reaches_history(tokenizer, texts, settings, args.diagnostic_tokens))
-    if process_state().is_main_process:
-        print(f"recipe: {recipe.name} ({recipe.model})" if recipe else
-              "recipe: none (calibrate's defaults: K target qqt, V target sst, "
-              + ("the layout chosen on the held-out tokens)" if choose else "the default cache config)"))
+    # None: calibrate() chooses for a model without a recipe, where the held-out tokens reach the history
+    choose = False if args.key_bits is not None and args.choose_layout is None else args.choose_layout
     rotations = calibrate(
         model,
         tokenizer,
@@ -150,6 +142,11 @@ def cmd_calibrate(args) -> None:
         key_codebook_bits=args.key_codebooks,
         **settings,
     )
+    if process_state().is_main_process:
+        print(f"recipe: {recipe.name} ({recipe.model})" if recipe else
+              "recipe: none (calibrate's defaults: K target qqt, V target sst, "
+              + ("the layout chosen on the held-out tokens)" if "layout" in rotations.calibration
+                 else "the default cache config)"))
     used, budget = rotations.calibration["tokens"], settings.get("num_tokens", CALIBRATE_DEFAULTS["num_tokens"])
     if used < budget / 2 and process_state().is_main_process:
         print(f"oscar-hf: warning: {args.data or SHIPPED_TEXT_NAME} gave {used:,} calibration tokens, under half the "
@@ -189,21 +186,6 @@ def codebook_bits(text: str) -> tuple[int, ...]:
     if not bits or not set(bits) <= set(CODEBOOK_BITS):
         raise argparse.ArgumentTypeError(f"expected bits from {CODEBOOK_BITS}, comma-separated; got {text!r}")
     return bits
-
-
-def held_out_reaches_history(tokenizer, texts, settings: dict, diagnostic_tokens: int) -> bool:
-    """Whether calibration's first held-out chunk would be longer than the default windows (sink + recent), so that a
-    layout can be scored on it (oscar_hf.layout_choice)."""
-    from .autocalibrate import CALIBRATE_DEFAULTS
-    from .calibrate import calibration_token_ids, first_held_out_length
-    from .config import OscarConfig
-
-    if diagnostic_tokens < 1:
-        return False
-    used = {**CALIBRATE_DEFAULTS, **settings}
-    ids = calibration_token_ids(tokenizer, texts, used["num_tokens"], used["max_length"], diagnostic_tokens)
-    windows = OscarConfig().sink_tokens + OscarConfig().recent_tokens
-    return first_held_out_length(tokenizer, ids, used["num_tokens"], used["max_length"]) > windows
 
 
 def recommend_key_bits(rotations, key_bits: int, fraction: float | None):

