@@ -442,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=cmd_eval)
 
     tasks = sub.add_parser("lm-eval-tasks", help="print the folder of the lm-eval tasks shipped with oscar-hf, for "
-                                                 "lm_eval's --include_path (the task oscar_demo)")
+                                                 "lm_eval's --include_path (the tasks oscar_demo, oscar_gsm8k_cot)")
     tasks.set_defaults(func=cmd_lm_eval_tasks)
     return parser
 

