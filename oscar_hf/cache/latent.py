@@ -51,8 +51,8 @@ class LatentOscarLayer(OscarLayer):
         self.windows = {name: Segment({"latent": empty(dim, dtype=self.dtype)}) for name in ("sink", "recent")}
         bits, groups = cfg.side_bits["key"], dim // self.group_size
         self.history = Segment({"codes": empty(dim * bits // 8, dtype=torch.uint8),
-                                "scale": empty(groups, dtype=cfg.torch_scale_dtype),
-                                "zero": empty(groups * cfg.grid.stores_zero, dtype=cfg.torch_scale_dtype)})
+                                "scale": empty(groups, dtype=cfg.meta_dtypes[0]),
+                                "zero": empty(groups * cfg.grid.stores_zero, dtype=cfg.meta_dtypes[1])})
         self.center = Segment({"latent": torch.zeros(batch, heads, 1, dim, device=self.device)})
         self.rope = Segment({"rope": empty(rope.shape[-1], dtype=rope.dtype)})
         self.is_initialized = True
