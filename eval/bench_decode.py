@@ -61,9 +61,9 @@ def parse_args():
     p.add_argument("--smoke", action="store_true", help="CPU/TRITON_INTERPRET=1 run of the whole script, tiny shapes")
     p.add_argument("--shapes", default=None, help="comma-separated subset of the grid's shapes")
     p.add_argument("--key-bits", type=int, choices=(2, 4), default=2, help="K's bits (V's are 2)")
-    p.add_argument("--quantizer", choices=("uniform", "symmetric"), default="uniform",
-                   help="the history's grid: uniform (a scale and a zero per token and side) or symmetric (a scale "
-                        "alone)")
+    p.add_argument("--quantizer", choices=("uniform", "symmetric", "compact"), default="uniform",
+                   help="the history's grid: uniform (an fp16 scale and zero per token and side), symmetric (a scale "
+                        "alone) or compact (a byte scale and a byte zero)")
     p.add_argument("--out", default="eval/results", help="folder for the CSV")
     return p.parse_args()
 
@@ -84,7 +84,7 @@ from oscar_hf.kernels.decode.reference import attend as torch_attend  # noqa: E4
 from oscar_hf.kernels.decode.triton import decode  # noqa: E402
 from oscar_hf.kernels.dequantize.triton import fill_history  # noqa: E402
 from oscar_hf.kernels.write.triton import quantize_pack_kv  # noqa: E402
-from oscar_hf.quantizer import quantize  # noqa: E402
+from oscar_hf.quantizer import BYTE_META, decode_byte_scale, grid_for, quantize  # noqa: E402
 from oscar_hf.rotations import hadamard_matrix  # noqa: E402
 
 DEVICE = "cpu" if ARGS.smoke else "cuda"
@@ -152,14 +152,19 @@ def synthetic_packed(batch: int, heads: int, d: int, n_hist: int, dtype=torch.bf
     centered, K codes of ``--key-bits``, zeros stored or implied by ``--quantizer``, its counts on the device as a
     static cache holds them (the launch reads no host state: CUDA-graph capturable)."""
     packed = PackedKV.empty(batch, heads, d, sink=SINK, history=n_hist, recent=RECENT, dtype=dtype, device=DEVICE,
-                            key_bits=ARGS.key_bits, centered=True, implied_zero=ARGS.quantizer == "symmetric")
+                            key_bits=ARGS.key_bits, centered=True, quantizer=ARGS.quantizer)
     for t in packed.windows:
         t.normal_()
     for rows, (s_lo, s_hi, z_lo, z_hi) in ((packed.key, (0.02, 0.05, -0.1, -0.05)),
                                            (packed.value, (0.5, 1.0, -1.5, -1.0))):
         rows.codes.random_(0, 256)
-        rows.scale.uniform_(s_lo, s_hi)
-        rows.zero.uniform_(z_lo, z_hi)
+        if rows.meta == BYTE_META:  # byte scales near s_lo..s_hi, zeros a step or two below 0
+            rows.scale.random_(*(int(torch.searchsorted(decode_byte_scale(torch.arange(256, dtype=torch.uint8)), s))
+                                 for s in (s_lo, s_hi)))
+            rows.zero.random_(-24, -8)
+        else:
+            rows.scale.uniform_(s_lo, s_hi)
+            rows.zero.uniform_(z_lo, z_hi)
     for center in packed.centers:
         center.normal_()
     packed.counts = torch.tensor([SINK, n_hist, RECENT, 0], dtype=torch.int32, device=DEVICE)
@@ -167,9 +172,10 @@ def synthetic_packed(batch: int, heads: int, d: int, n_hist: int, dtype=torch.bf
 
 
 def history_bytes(batch: int, heads: int, d: int, n_hist: int) -> int:
-    """The history's K and V codes and their fp16 scales and zeros (one each per token; no zeros with the symmetric
-    quantizer)."""
-    return batch * heads * n_hist * (d * (ARGS.key_bits + 2) // 8 + (4 if ARGS.quantizer == "symmetric" else 8))
+    """The history's K and V codes and their scales and zeros (one group per token and side: fp16 scale and zero,
+    an fp16 scale alone with the symmetric quantizer, a byte each with the compact one)."""
+    meta = 2 * grid_for(ARGS.quantizer).meta_bits(torch.float16) // 8
+    return batch * heads * n_hist * (d * (ARGS.key_bits + 2) // 8 + meta)
 
 
 def packed_bytes(batch: int, hq: int, heads: int, d: int, n_hist: int) -> int:
@@ -322,7 +328,7 @@ def layout_read_time(layers: list[PackedKV], batch: int, configs: list[DecodeCon
             zeros = not p.key.implied_zero
             scales = (p.key.scale, p.key.zero if zeros else p.key.scale, p.value.scale,
                       p.value.zero if zeros else p.value.scale)  # (the scales stand in for absent zeros: unread)
-            metas = [t.view(torch.int16) for t in scales]
+            metas = [t.view(torch.int16) if t.element_size() == 2 else t for t in scales]  # fp16 or bytes
             _layout_read_kernel[(batch * p.heads, splits)](
                 kc, vc, *metas, out, *kc.stride()[:2], *vc.stride()[:2], *metas[0].stride()[:2], p.heads, n_hist,
                 splits, WK=kc.shape[-1], WV=vc.shape[-1], TN=configs[0].block_n, ZEROS=zeros, num_warps=warps)
@@ -564,7 +570,7 @@ def main():
     verify = [bench_verify(t) for t in ((400,) if ARGS.smoke else (32768, 131072))]
     out = Path(ARGS.out)
     out.mkdir(parents=True, exist_ok=True)
-    suffix = ("-k4" if ARGS.key_bits == 4 else "") + ("-symmetric" if ARGS.quantizer == "symmetric" else "")
+    suffix = ("-k4" if ARGS.key_bits == 4 else "") + ("" if ARGS.quantizer == "uniform" else f"-{ARGS.quantizer}")
     path = out / f"bench_decode_{device_slug(env)}{suffix}.csv"
     rows = [{**row, "key_bits": ARGS.key_bits, "quantizer": ARGS.quantizer, "copy_GBps": copy_gbps,
              **{f"write_{k}": v for k, v in write.items()}, **verify[-1]} for row in rows]

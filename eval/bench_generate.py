@@ -188,6 +188,14 @@ MODELS = {  # name: (transformers config class, its fields)
         q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, intermediate_size=10944,
         moe_intermediate_size=1408, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
         first_k_dense_replace=1, n_group=1, topk_group=1, vocab_size=102400, max_position_embeddings=262144)),
+    # DeepSeek-V3 / Kimi-K2's attention (128 heads, latent 512 + RoPE key 64, query rank 1536) in 8 layers, the MoE
+    # layers with 16 of its 256 experts, so that the random weights fit one GPU: the cache's shapes per layer are the
+    # model's
+    "deepseek-v3-l8": ("DeepseekV3Config", dict(
+        hidden_size=7168, num_hidden_layers=8, num_attention_heads=128, num_key_value_heads=128, kv_lora_rank=512,
+        q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, intermediate_size=18432,
+        moe_intermediate_size=2048, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=8,
+        first_k_dense_replace=1, n_group=1, topk_group=1, vocab_size=129280, max_position_embeddings=262144)),
     "qwen3-tiny": ("Qwen3Config", _TINY),
     "qwen3-next-tiny": ("Qwen3NextConfig", dict(_TINY, num_hidden_layers=4, linear_num_key_heads=2,
                                                 linear_num_value_heads=4, linear_key_head_dim=32,

@@ -45,10 +45,11 @@ class OscarConfig:
             ``floor(ratio * head_dim)``-th smallest absolute value. 1.0 means no clipping. 4-bit rows are never
             clipped (:attr:`side_clip`).
         scale_dtype: dtype of the stored scale and zero: "float16" (2.25 bits per element at
-            group 128), "bfloat16" or "float32".
-        quantizer: "uniform" (asymmetric min-max), "symmetric" (a grid centred on 0 and a scale alone: half the
-            metadata, for centered rows; 2.125 bits per element at group 128) or "lloyd-max" (Gaussian levels, 2
-            bits only): :data:`oscar_hf.quantizer.QUANTIZERS`.
+            group 128), "bfloat16" or "float32" (the compact quantizer stores bytes instead).
+        quantizer: "uniform" (asymmetric min-max), "compact" (the uniform grid with a byte scale and a byte zero:
+            half the metadata; 2.125 bits per element at group 128), "symmetric" (a grid centred on 0 and a scale
+            alone: half the metadata, for centered rows) or "lloyd-max" (Gaussian levels, 2 bits only):
+            :data:`oscar_hf.quantizer.QUANTIZERS`.
         centering: quantize ``x - μ`` instead of ``x``, with ``μ`` the mean K (V) per sequence and KV head over
             the first tokens that reach the history (for a prompt: all of it but the windows), stored in fp32
             and added back on reading. Keys carry large constant channels that a per-token 2-bit grid wastes
@@ -182,6 +183,12 @@ class OscarConfig:
     def torch_scale_dtype(self) -> torch.dtype:
         return SCALE_DTYPES[self.scale_dtype]
 
+    @property
+    def meta_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+        """The stored dtypes of a per-token row's scale and zero (``scale_dtype``'s, or the compact quantizer's
+        uint8 and int8)."""
+        return self.grid.meta_dtypes(self.torch_scale_dtype)
+
     def resolved_group_size(self, head_dim: int) -> int:
         """The group size for a given head_dim; raises ValueError if it cannot be used."""
         if not head_dim > 0:
@@ -218,17 +225,16 @@ class OscarConfig:
         averaged over ``num_layers`` layers (needed only with ``key_bits_layers``).
 
         A history element costs its side's bits plus its share of a scale and a zero: V (and per-token K) has one pair
-        per token and group of ``group_size`` channels (the symmetric quantizer a scale alone), per-channel K one
-        pair per channel and group of ``flush_tokens`` tokens. The windows hold what a prefill of ``seq_len`` tokens
-        leaves in them.
+        per token and group of ``group_size`` channels (the symmetric quantizer a scale alone, the compact one a byte
+        each), per-channel K one pair per channel and group of ``flush_tokens`` tokens. The windows hold what a
+        prefill of ``seq_len`` tokens leaves in them.
         """
         if seq_len is not None and not seq_len > 0:
             raise ValueError(f"seq_len must be None (the history alone) or positive; got {seq_len!r}")
-        scale_bits = torch.finfo(self.torch_scale_dtype).bits
         group = self.resolved_group_size(head_dim)
         key_group = self.key_layout.values_per_scale(self, group)
         # the mean over K and V of the code bits and a scale (and a zero) per group
-        meta = (1 + self.grid.stores_zero) * scale_bits / 2
+        meta = self.grid.meta_bits(self.torch_scale_dtype) / 2
         history = (self.mean_key_bits(num_layers) + self.bits) / 2 + meta / key_group + meta / group
         if seq_len is None:
             return history

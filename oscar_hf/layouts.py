@@ -160,7 +160,7 @@ class ProductKeys(KeyLayout):
 
     def quantize(self, key, *, bits, clip, group_size, config, codebook=None):
         codes = self._codebook(codebook, bits).encode(key)
-        empty = torch.empty(*codes.shape[:-1], 0, dtype=config.torch_scale_dtype, device=codes.device)
+        empty = torch.empty(*codes.shape[:-1], 0, dtype=config.meta_dtypes[0], device=codes.device)
         return QuantizedRows(codes, empty, empty)
 
     def dequantize(self, rows, bits, codebook=None):

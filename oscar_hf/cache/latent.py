@@ -2,16 +2,83 @@
 
 from __future__ import annotations
 
+import types
+
 import torch
+from torch.utils._pytree import tree_map_only
 
 from ..config import OscarConfig
 from ..kernels import dequantize_backend
+from ..kernels.latent.reference import absorbed_attention
 from ..quantizer import QuantizedRows
 from .layer import OscarLayer, is_identity
 from .segments import Segment
 
 # set, in a model's config and in the bundle absorb_latent_rotation returns, where kv_b_proj holds the latent rotation
 LATENT_ABSORBED = "latent_rotation_absorbed"
+# updates of at most this many tokens (decode and verify steps) over a quantized history attend the latent absorbed
+ABSORBED_QUERY_TOKENS = 16
+
+
+class LatentKV:
+    """What a latent layer's ``update`` hands on in place of the latent ``[B, 1, T, r]`` for a decode step over a
+    quantized history: the layer. The MLA attention's ``expand_kv`` passes it through (:func:`absorb_expand_kv`,
+    installed by ``oscar_hf.enable``), and the attention function calls :meth:`attend`, which reads the latent as
+    stored instead of expanding it through ``kv_b_proj``. Anything else that reads it as a tensor (an attention
+    module left unpatched) gets the dense latent, as ``update`` returns it otherwise."""
+
+    __slots__ = ("layer",)
+
+    def __init__(self, layer: "LatentOscarLayer"):
+        self.layer = layer
+
+    def attend(self, module, query, rope, attention_mask, scaling, **kwargs):
+        """The attention function's call: ``(output [B, q, H, d_v], None)``."""
+        return self.layer.attend_absorbed(module, query, rope, attention_mask, scaling), None
+
+    def dense(self) -> torch.Tensor:
+        """The latent sequence in the model's basis and dtype."""
+        return self.layer.materialize()
+
+    @property
+    def shape(self) -> torch.Size:
+        sink = self.layer.windows["sink"]["latent"]
+        return torch.Size((sink.shape[0], sink.shape[1], self.layer.length, sink.shape[-1]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layer.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.layer.device
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        args, kwargs = tree_map_only(LatentKV, LatentKV.dense, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def absorbs(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is an MLA attention whose decode steps can attend the latent absorbed: an ``expand_kv``
+    and a dense floating-point ``kv_b_proj`` weight."""
+    weight = getattr(getattr(module, "kv_b_proj", None), "weight", None)
+    return (callable(getattr(module, "expand_kv", None)) and isinstance(weight, torch.Tensor)
+            and weight.is_floating_point() and weight.dim() == 2 and hasattr(module, "qk_nope_head_dim"))
+
+
+def absorb_expand_kv(module: torch.nn.Module) -> None:
+    """Make ``module.expand_kv`` (an MLA attention's, :func:`absorbs`) pass a :class:`LatentKV` through to the attention
+    function, and expand everything else as its class does. A method bound to the module, so that a copy of the
+    model expands with its own weights. Idempotent."""
+    if getattr(module.__dict__.get("expand_kv"), "__func__", None) is not _expand_kv:
+        module.expand_kv = types.MethodType(_expand_kv, module)
+
+
+def _expand_kv(self, kv_nope, k_rot):
+    if isinstance(kv_nope, LatentKV):
+        return kv_nope, k_rot
+    return type(self).expand_kv(self, kv_nope, k_rot)
 
 
 class LatentOscarLayer(OscarLayer):
@@ -51,21 +118,47 @@ class LatentOscarLayer(OscarLayer):
         self.windows = {name: Segment({"latent": empty(dim, dtype=self.dtype)}) for name in ("sink", "recent")}
         bits, groups = cfg.side_bits["key"], dim // self.group_size
         self.history = Segment({"codes": empty(dim * bits // 8, dtype=torch.uint8),
-                                "scale": empty(groups, dtype=cfg.torch_scale_dtype),
-                                "zero": empty(groups * cfg.grid.stores_zero, dtype=cfg.torch_scale_dtype)})
+                                "scale": empty(groups, dtype=cfg.meta_dtypes[0]),
+                                "zero": empty(groups * cfg.grid.stores_zero, dtype=cfg.meta_dtypes[1])})
         self.center = Segment({"latent": torch.zeros(batch, heads, 1, dim, device=self.device)})
         self.rope = Segment({"rope": empty(rope.shape[-1], dtype=rope.dtype)})
         self.is_initialized = True
 
     def update(self, latent: torch.Tensor, rope: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``latent [B, 1, n, r]`` and ``rope [B, 1, n, rope]``; return the whole sequence of each, dense."""
+        """Store ``latent [B, 1, n, r]`` and ``rope [B, 1, n, rope]``; return the whole sequence of each: the latent
+        dense, or for a step of at most :data:`ABSORBED_QUERY_TOKENS` tokens over a quantized history a
+        :class:`LatentKV` that attends it absorbed."""
         if not self.is_initialized:
             self.lazy_initialization(latent, rope)
         total = self.length + latent.shape[2]
         self.rope.grow_history(self.length, total)
         self.rope.write(self.length, {"rope": rope})
         self._append(latent)
-        return self.materialize(), self.rope["rope"][:, :, :total]
+        rope = self.rope["rope"][:, :, :total]
+        if latent.shape[2] <= ABSORBED_QUERY_TOKENS and self.n_history:
+            return LatentKV(self), rope
+        return self.materialize(), rope
+
+    def attend_absorbed(self, module: torch.nn.Module, query: torch.Tensor, rope: torch.Tensor,
+                        attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+        """Attention of ``query [B, H, q, d_nope + d_rope]`` over the stored latent, absorbed
+        (:func:`oscar_hf.kernels.latent.reference.absorbed_attention`): the windows in the basis ``kv_b_proj`` reads
+        (rotated where it holds the rotation), the history dequantized as stored (its rotation taken into the
+        queries otherwise). Returns ``[B, q, H, d_v]``."""
+        n_sink, n_history, n_recent = self.counts
+        sink = self.windows["sink"]["latent"][:, :, :n_sink]
+        recent = self.windows["recent"]["latent"][:, :, :n_recent]
+        if self.rotates and self.absorbed:
+            sink, recent = sink @ self.rotation_mt, recent @ self.rotation_mt
+        history = torch.empty(*sink.shape[:2], n_history, sink.shape[-1], dtype=self.dtype, device=self.device)
+        stored = self.history.read(n_history)
+        self.dequantize(QuantizedRows(stored["codes"], stored["scale"], stored["zero"]),
+                        self.center["latent"] if self.config.centering else None, history,
+                        bits=self.config.side_bits["key"])
+        basis = self.latent_rotation if self.rotates and not self.absorbed else None
+        return absorbed_attention(query, rope, sink, history, recent, module.kv_b_proj.weight,
+                                  nope_dim=module.qk_nope_head_dim, attention_mask=attention_mask, scaling=scaling,
+                                  history_basis=basis)
 
     def _append(self, latent: torch.Tensor) -> None:
         cfg, sink, recent = self.config, self.windows["sink"], self.windows["recent"]

@@ -318,8 +318,9 @@ class KVOscarLayer(OscarLayer):
         history = {}
         for side, bits in cfg.side_bits.items():
             history[f"{side}_codes"] = empty(dim * bits // 8, dtype=torch.uint8)
-            history[f"{side}_scale"] = empty(meta[side][0], dtype=cfg.torch_scale_dtype)
-            history[f"{side}_zero"] = empty(meta[side][0] * cfg.grid.stores_zero, dtype=cfg.torch_scale_dtype)
+            scale_dtype, zero_dtype = cfg.meta_dtypes
+            history[f"{side}_scale"] = empty(meta[side][0], dtype=scale_dtype)
+            history[f"{side}_zero"] = empty(meta[side][0] * cfg.grid.stores_zero, dtype=zero_dtype)
         self.history = Segment(history, {f"{side}_{part}": meta[side][1] for side in SIDES
                                          for part in ("scale", "zero")})
         self.is_initialized = True

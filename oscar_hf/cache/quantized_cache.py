@@ -14,7 +14,7 @@ from ..model_support import ModelShape, check_model_supported
 from ..parallel import TensorParallel
 from ..rotations import OscarRotations
 from .hybrid import NoKVLayer, state_bytes, with_state
-from .latent import LATENT_ABSORBED, LatentOscarLayer
+from .latent import LATENT_ABSORBED, LatentOscarLayer, absorb_expand_kv, absorbs
 from .layer import DynamicOscarLayer, KVOscarLayer, OscarLayer
 from .segments import tensor_bytes
 from .sliding import SlidingOscarLayer
@@ -292,8 +292,13 @@ def cache_nbytes(cache: Cache) -> int:
 
 
 def enable(model: torch.nn.Module) -> torch.nn.Module:
-    """Check that ``model`` can be served, and route its attention through oscar_hf ("oscar")."""
+    """Check that ``model`` can be served, and route its attention through oscar_hf ("oscar"); multi-head latent
+    attention modules pass the cache's latent handle on to it (their ``expand_kv`` patched:
+    :func:`~oscar_hf.cache.latent.absorb_expand_kv`), so that decode steps attend the latent absorbed."""
     check_model_supported(model)
     if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    for module in model.modules():
+        if absorbs(module):
+            absorb_expand_kv(module)
     return model

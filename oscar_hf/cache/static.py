@@ -121,7 +121,7 @@ class StaticOscarLayer(KVOscarLayer):
         """Raise what the device-side steps flagged (non-finite K/V, a scale overflow, a full cache)."""
         self.counts  # noqa: B018  (stores a pending update first)
         if self.counts_on_device and self.is_initialized:
-            raise_for_flags(int(self.flags[0]), self.config.torch_scale_dtype)
+            raise_for_flags(int(self.flags[0]), self.config.meta_dtypes[0])
 
     def _unroll_recent(self) -> None:
         start = self.recent_start

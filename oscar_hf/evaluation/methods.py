@@ -204,6 +204,21 @@ METHODS: dict[str, Method] = {
             "calibrated",
             {"quantizer": "symmetric", "centering": True, **INT2},
         ),
+        # the same bits as the symmetric pair, spent on an asymmetric grid: a byte each for scale and zero
+        Method(
+            "oscar-k4-half-compact",
+            "as oscar-k4-half, with the compact quantizer (a byte scale and a byte zero per group): 4-bit K in half "
+            "the layers at the metadata of one fp16 scale",
+            "calibrated",
+            {"quantizer": "compact", "centering": True, "bits": 2, "key_bits": 4},
+            key_bits_fraction=0.5,
+        ),
+        Method(
+            "oscar-compact",
+            "as oscar, with the compact quantizer (a byte scale and a byte zero per group)",
+            "calibrated",
+            {"quantizer": "compact", "centering": True, **INT2},
+        ),
         # Gemma-3-270M (eval/results/gemma3-270m/investigation): 92% of OSCAR's KL comes from K, whose outlier
         # channels a per-token grid cannot hold; unrotated per-channel K (KIVI's layout, 64-token groups) fixes it.
         Method(

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..quantizer import QuantizedRows
+from ..quantizer import QuantizedRows, grid_for
 
 if TYPE_CHECKING:
     from ..codebooks import KeyCodebook
@@ -124,8 +124,9 @@ class PackedKV:
     def history_bytes_per_token(self) -> int:
         """Bytes of K and V codes, scales and zeros per history token."""
         key_group = self.key_token_group or 1
-        return sum(rows.codes.shape[-1] + (rows.scale.shape[-1] + rows.zero.shape[-1]) * rows.scale.element_size()
-                   // group for rows, group in ((self.key, key_group), (self.value, 1)))
+        return sum(rows.codes.shape[-1] + (rows.scale.shape[-1] * rows.scale.element_size()
+                                           + rows.zero.shape[-1] * rows.zero.element_size()) // group
+                   for rows, group in ((self.key, key_group), (self.value, 1)))
 
     @classmethod
     def empty(cls, batch: int, heads: int, head_dim: int, *, sink: int, history: int, recent: int,
@@ -133,18 +134,22 @@ class PackedKV:
               value_bits: int = 2, group_size: int | None = None, scale_dtype: torch.dtype = torch.float16,
               centered: bool = False, key_token_group: int | None = None,
               key_rotation: torch.Tensor | None = None, value_rotation: torch.Tensor | None = None,
-              implied_zero: bool = False) -> "PackedKV":
+              quantizer: str = "uniform") -> "PackedKV":
         """Uninitialised storage of the given capacities (tokens) with zero counts: for kernels and benchmarks
-        that need no cache. ``implied_zero``: per-token rows without zeros (the symmetric quantizer's)."""
+        that need no cache. ``quantizer``: the per-token rows' (``OscarConfig.quantizer``), which decides how they
+        store scale and zero; per-channel K stores them in ``scale_dtype``."""
         group = group_size or head_dim
+        grid = grid_for(quantizer)
 
         def rows(bits: int, tokens_per_row: int, columns: int) -> QuantizedRows:
             meta = (batch, heads, -(-history // tokens_per_row), columns)
-            zeros = columns * (not implied_zero or tokens_per_row > 1)
+            per_token = tokens_per_row == 1
+            scale_dt, zero_dt = grid.meta_dtypes(scale_dtype) if per_token else (scale_dtype, scale_dtype)
+            zeros = columns * (grid.stores_zero or not per_token)
             return QuantizedRows(torch.empty(batch, heads, history, head_dim * bits // 8, dtype=torch.uint8,
                                              device=device),
-                                 torch.empty(meta, dtype=scale_dtype, device=device),
-                                 torch.empty(*meta[:3], zeros, dtype=scale_dtype, device=device))
+                                 torch.empty(meta, dtype=scale_dt, device=device),
+                                 torch.empty(*meta[:3], zeros, dtype=zero_dt, device=device))
 
         key_columns = head_dim // group if key_token_group is None else head_dim
         window = [torch.empty(batch, heads, n, head_dim, dtype=dtype, device=device) for n in (sink, sink, recent,

@@ -7,12 +7,52 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import quantizer
 from ..quantizer import clip_index
 
 FP32_MAX = tl.constexpr(3.4028234663852886e38)
+# the metadata formats (``quantizer.QuantizedRows.meta``), the kernels' META
+IMPLIED_ZERO = tl.constexpr(quantizer.IMPLIED_ZERO)
+BYTE_META = tl.constexpr(quantizer.BYTE_META)
+_MANTISSA_BITS = tl.constexpr(quantizer.BYTE_SCALE_MANTISSA_BITS)
+_MANTISSA_SHIFT = tl.constexpr(23 - quantizer.BYTE_SCALE_MANTISSA_BITS)
+_MANTISSA_MASK = tl.constexpr((1 << quantizer.BYTE_SCALE_MANTISSA_BITS) - 1)
+_ROUND_UP = tl.constexpr((1 << (23 - quantizer.BYTE_SCALE_MANTISSA_BITS)) - 1)  # to add, then drop: rounds up
+_EXPONENT_BIAS = tl.constexpr(127 + quantizer.BYTE_SCALE_MIN_EXPONENT)
+_MIN_BYTE_SCALE = tl.constexpr(2.0**quantizer.BYTE_SCALE_MIN_EXPONENT)
+_EIGHTH = tl.constexpr(1 / quantizer.ZERO_EIGHTHS)
 
 
-TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32, torch.uint8: tl.uint8}
+
+
+def scale_floor(scale_dtype: torch.dtype) -> float:
+    """The least scale the write and append kernels store in ``scale_dtype`` (its ``tiny``; byte scales have their
+    own floor)."""
+    return 0.0 if scale_dtype == torch.uint8 else torch.finfo(scale_dtype).tiny
+
+
+@triton.jit
+def byte_scale(code):
+    """int32 byte-scale codes → fp32 scales, from their bits (``quantizer.decode_byte_scale``)."""
+    exponent = (code >> _MANTISSA_BITS) + _EXPONENT_BIAS
+    return (exponent << 23 | (code & _MANTISSA_MASK) << _MANTISSA_SHIFT).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def meta_values(scale, zero, BITS: tl.constexpr, META: tl.constexpr):
+    """Stored scales and zeros (any shape; ``zero`` unread where META is IMPLIED_ZERO) → fp32 ``(scale, zero)``,
+    exactly as ``QuantizedRows.scales`` and ``zeros``."""
+    if META == BYTE_META:
+        s = byte_scale(scale.to(tl.int32))
+        z = zero.to(tl.float32) * (s * _EIGHTH)
+    elif META == IMPLIED_ZERO:
+        s = scale.to(tl.float32)
+        z = s * (-((1 << BITS) - 1) / 2)
+    else:
+        s = scale.to(tl.float32)
+        z = zero.to(tl.float32)
+    return s, z
 
 
 @triton.jit
@@ -106,11 +146,12 @@ def clip_threshold(xs, CLIP_INDEX: tl.constexpr):
 
 @triton.jit
 def quantize_tile(xs, tiny, CLIP_INDEX: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
-                   SCALE_DT: tl.constexpr, SYMMETRIC: tl.constexpr):
+                   SCALE_DT: tl.constexpr, META: tl.constexpr):
     """Rows as their ``8/bits`` channel sub-tiles ``xs[i] = x[:, i·W:(i+1)·W]`` (fp32 ``[R, W]``, ``W = D·bits/8``,
     ``GROUP`` a multiple of W) → (packed codes uint8 ``[R, W]``, scales and zeros: tuples of ``D/GROUP`` vectors
-    ``[R]`` in SCALE_DT, a flag: 1 if some input is not finite, else 2 if a scale or zero overflows SCALE_DT, else 0).
-    SYMMETRIC: the grid centred on 0 (``quantizer.SymmetricGrid``), whose zeros (fp32) are implied, not stored.
+    ``[R]`` as stored, a flag: 1 if some input is not finite, else 2 if a scale or zero overflows its format, else 0).
+    META picks the grid: the uniform one (scale and zero in SCALE_DT), IMPLIED_ZERO (``quantizer.SymmetricGrid``:
+    centred on 0, its zeros implied, not stored) or BYTE_META (``quantizer.CompactGrid``: uint8 scales, int8 zeros).
 
     Working on sub-tiles keeps every reduction along a row inside one warp and packs without a reshape: byte ``j``
     is ``Σ_i code_i[:, j] << (i·bits)``."""
@@ -136,20 +177,36 @@ def quantize_tile(xs, tiny, CLIP_INDEX: tl.constexpr, GROUP: tl.constexpr, BITS:
         for j in tl.static_range(1, SUBS_PER_GROUP):
             lo_x = tl.minimum(lo_x, tl.min(xs[g * SUBS_PER_GROUP + j], axis=1))
             hi_x = tl.maximum(hi_x, tl.max(xs[g * SUBS_PER_GROUP + j], axis=1))
-        if SYMMETRIC:
+        if META == IMPLIED_ZERO:
             half = tl.maximum(tl.abs(lo_x), tl.abs(hi_x))
             step = tl.maximum(tl.math.div_rn(2 * half, tl.full(lo_x.shape, LEVELS, tl.float32)), tiny)
             scale = round_to(step, SCALE_DT, True)
             s32 = scale.to(tl.float32)
             z32 = s32 * (-LEVELS / 2)
             zero = z32
+        elif META == BYTE_META:
+            need = tl.maximum(tl.math.div_rn(hi_x - lo_x, tl.full(lo_x.shape, LEVELS, tl.float32)),
+                              tl.math.div_rn(tl.abs(lo_x), tl.full(lo_x.shape, 15.875, tl.float32)))
+            bits = tl.maximum(need, _MIN_BYTE_SCALE).to(tl.int32, bitcast=True)
+            up = (bits + _ROUND_UP) & ~_ROUND_UP  # rounded up to the kept mantissa bits
+            code = ((up >> 23) - _EXPONENT_BIAS) << _MANTISSA_BITS | (up >> _MANTISSA_SHIFT) & _MANTISSA_MASK
+            s32 = byte_scale(code)
+            eighths = _zero_eighths(lo_x, s32)
+            code += (eighths * (s32 * _EIGHTH) + LEVELS * s32 < hi_x).to(tl.int32)  # the top level short: next up
+            s32 = byte_scale(code)
+            eighths = _zero_eighths(lo_x, s32)
+            z32 = eighths * (s32 * _EIGHTH)
+            overflow = overflow | tl.max(tl.where(code > 255, 2, 0), axis=0)
+            scale = code.to(tl.uint8)
+            zero = eighths.to(tl.int8)
         else:
             zero = round_to(lo_x, SCALE_DT, False)
             z32 = zero.to(tl.float32)
             step = tl.maximum(tl.math.div_rn(hi_x - z32, tl.full(lo_x.shape, LEVELS, tl.float32)), tiny)
             scale = round_to(step, SCALE_DT, True)
             s32 = scale.to(tl.float32)
-        overflow = overflow | tl.max(tl.where((tl.abs(z32) <= FP32_MAX) & (s32 <= FP32_MAX), 0, 2), axis=0)
+        if META != BYTE_META:
+            overflow = overflow | tl.max(tl.where((tl.abs(z32) <= FP32_MAX) & (s32 <= FP32_MAX), 0, 2), axis=0)
         for j in tl.static_range(SUBS_PER_GROUP):  # (a name bound to the index would stop being constexpr)
             x = xs[g * SUBS_PER_GROUP + j]
             codes = tl.floor(tl.math.div_rn(x - z32[:, None], tl.broadcast_to(s32[:, None], x.shape)) + 0.5)
@@ -161,15 +218,21 @@ def quantize_tile(xs, tiny, CLIP_INDEX: tl.constexpr, GROUP: tl.constexpr, BITS:
 
 
 @triton.jit
+def _zero_eighths(lo, scale):
+    """``floor(8·lo/scale)`` in int8's range, fp32 (``quantizer._zero_eighths``)."""
+    return tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(lo * 8, scale)), -128.0), 127.0)
+
+
+@triton.jit
 def store_rows(codes_ptr, scale_ptr, zero_ptr, rows, stride_cn, stride_zn, live, packed, scales, zeros,
-               SYMMETRIC: tl.constexpr):
-    """Store ``quantize_tile``'s output at history rows ``rows`` (int64 ``[R]``; ``live`` masks them); SYMMETRIC
+               META: tl.constexpr):
+    """Store ``quantize_tile``'s output at history rows ``rows`` (int64 ``[R]``; ``live`` masks them); IMPLIED_ZERO
     rows store no zeros."""
     tl.store(codes_ptr + rows[:, None] * stride_cn + tl.arange(0, packed.shape[1])[None, :], packed,
              mask=live[:, None])
     for g in tl.static_range(len(scales)):
         tl.store(scale_ptr + rows * stride_zn + g, scales[g], mask=live)
-        if not SYMMETRIC:
+        if META != IMPLIED_ZERO:
             tl.store(zero_ptr + rows * stride_zn + g, zeros[g], mask=live)
 
 

@@ -249,6 +249,23 @@ def test_symmetric_quantizer_stores_scales_alone():
     assert key.shape[2] == 60 and bool(torch.isfinite(key).all())
 
 
+def test_compact_quantizer_stores_a_byte_scale_and_zero():
+    """quantizer="compact": uint8 scale and int8 zero rows in the history (2 + 16/128 bits per element), read back
+    as the quantizer's rows; the analytic and the stored bits agree."""
+    model = make_model("qwen3-gqa-qknorm-d128", dtype=torch.float32)
+    cache = OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model,
+                                                quantizer="compact", sink_tokens=4, recent_tokens=8)
+    ids = torch.randint(3, 90, (1, 60), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True)
+    layer = cache.layers[0]
+    assert layer.history["key_scale"].dtype == layer.history["value_scale"].dtype == torch.uint8
+    assert layer.history["key_zero"].dtype == layer.history["value_zero"].dtype == torch.int8
+    assert cache.config.bits_per_element(128) == 2.125
+    assert cache.history_bits_per_element == pytest.approx(2.125 + 32 / layer.n_history)
+    key = layer.materialize("key")
+    assert key.shape[2] == 60 and bool(torch.isfinite(key).all())
+
+
 def test_key_bits_store_keys_at_their_own_width():
     """4-bit K and 2-bit V: K codes twice as wide, each side reads back as the quantizer at its bits (4-bit K
     unclipped, 2-bit V clipped), and the stored bits per element are the analytic count."""

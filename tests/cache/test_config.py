@@ -161,6 +161,11 @@ def test_group_larger_than_head_dim_raises():
         # the symmetric grid stores a scale alone: 16 bits per group
         pytest.param(dict(group_size=64, quantizer="symmetric"), None, 2.25, id="g64-symmetric-history"),
         pytest.param(dict(group_size=64, quantizer="symmetric", key_bits=4), None, 3.25, id="g64-symmetric-k4"),
+        # the compact grid stores a byte scale and a byte zero: 16 bits per group, whatever scale_dtype says
+        pytest.param(dict(group_size=64, quantizer="compact"), None, 2.25, id="g64-compact-history"),
+        pytest.param(dict(group_size=128, quantizer="compact", scale_dtype="float32"), None, 2.125,
+                     id="g128-compact-fp32-scale-dtype"),
+        pytest.param(dict(group_size=64, quantizer="compact", key_bits=4), None, 3.25, id="g64-compact-k4"),
         # per-channel K: one fp16 scale and zero per channel and 32 tokens (0.5 bits); V per token and group
         pytest.param(dict(group_size=32, flush_tokens=32, **PER_CHANNEL), None, 3.0, id="per-channel-g32-history"),
         pytest.param(dict(group_size=128, flush_tokens=32, **PER_CHANNEL), None, 2.625, id="per-channel-g128-history"),

@@ -415,3 +415,33 @@ def test_latent_layers_refuse_key_layouts_other_than_per_token(layout):
     with pytest.raises(ValueError, match=f"key_quantization='{layout}' is not available for multi-head latent"):
         OscarQuantizedCache.from_pretrained(OscarRotations.hadamard(model.config), model=model,
                                             key_quantization=layout, k_clip=1.0, centering=layout == "product")
+
+
+@pytest.mark.parametrize("family", MLA_FAMILIES)
+def test_mla_decode_steps_attend_the_latent_absorbed(family, monkeypatch):
+    """Over an INT2 history, decode steps attend the stored latent absorbed (no expansion through kv_b_proj): the
+    same greedy tokens as the expanding path over the same cache, and logits equal to fp32 roundings; left padding
+    included."""
+    from oscar_hf.cache import latent as latent_module
+
+    model = build(family)
+    rotations = quick_calibrate(model, torch.randint(3, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0)))
+    calls = []
+    attend = LatentOscarLayer.attend_absorbed
+    monkeypatch.setattr(LatentOscarLayer, "attend_absorbed", lambda *a, **k: calls.append(1) or attend(*a, **k))
+    runs = {}
+    for name, tokens in (("absorbed", latent_module.ABSORBED_QUERY_TOKENS), ("expanded", 0), ("unpatched", 16)):
+        monkeypatch.setattr(latent_module, "ABSORBED_QUERY_TOKENS", tokens)
+        cache = OscarQuantizedCache.from_pretrained(rotations, model=model, sink_tokens=2, recent_tokens=4,
+                                                    flush_tokens=2)
+        if name == "unpatched":  # an attention module whose expand_kv was not patched reads the handle densely
+            for module in model.modules():
+                module.__dict__.pop("expand_kv", None)
+        runs[name] = generate(model, cache, length=40)
+        layers = sum(isinstance(layer, LatentOscarLayer) for layer in cache.layers)
+        # every decode step of every latent layer, then none
+        assert len(calls) == layers * (SETTINGS["max_new_tokens"] - 1)
+    assert torch.equal(runs["absorbed"][0], runs["expanded"][0])
+    torch.testing.assert_close(runs["absorbed"][1], runs["expanded"][1], rtol=1e-4, atol=1e-4)
+    assert torch.equal(runs["unpatched"][0], runs["expanded"][0]) and torch.equal(runs["unpatched"][1],
+                                                                                  runs["expanded"][1])

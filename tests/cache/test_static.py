@@ -33,9 +33,11 @@ def randn(*shape: int, seed: int = 0) -> torch.Tensor:
      (8, dict(sink_tokens=2, recent_tokens=3, flush_tokens=1, centering=False, dim=512, tokens=12)),
      (20, dict(sink_tokens=2, recent_tokens=6, flush_tokens=2, centering=False, heads=3, tokens=40)),
      (20, dict(sink_tokens=2, recent_tokens=6, flush_tokens=2, key_bits=4, centering=False, quantizer="symmetric",
+               tokens=50)),
+     (20, dict(sink_tokens=2, recent_tokens=6, flush_tokens=2, key_bits=4, centering=False, quantizer="compact",
                tokens=50))],
     ids=["sink-first", "uncentered-unclipped", "no-sink-flush-1", "4-bit-keys", "fp16", "D512", "per-head",
-         "symmetric-4-bit-keys"],
+         "symmetric-4-bit-keys", "compact-4-bit-keys"],
 )
 def test_graph_step_stores_what_the_host_path_stores(prompt, config):
     """Steps through the append operator (rotation, ring buffer, device counts) leave the same sequence as the host

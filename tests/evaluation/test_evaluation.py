@@ -60,6 +60,8 @@ def test_methods_registry_presets():
         "oscar-k4-half",
         "oscar-k4-half-symmetric",
         "oscar-symmetric",
+        "oscar-k4-half-compact",
+        "oscar-compact",
         "oscar-channel-k",
         "oscar-lloyd-max",
         "oscar-pq1",
@@ -75,6 +77,8 @@ def test_methods_registry_presets():
     assert oscar4.config.centering
     symmetric = make_cache("oscar-symmetric", model, OscarRotations.hadamard(model.config))
     assert symmetric.config.quantizer == "symmetric" and symmetric.config.bits_per_element(64) == 2.25
+    compact = make_cache("oscar-compact", model, OscarRotations.hadamard(model.config))
+    assert compact.config.quantizer == "compact" and compact.config.bits_per_element(64) == 2.25
     assert make_cache("quarot-int2", model).rotations.method == "hadamard"
     assert make_cache("naive-int2", model).rotations.method == "identity"
     bundle = OscarRotations.hadamard(model.config)

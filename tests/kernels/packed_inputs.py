@@ -49,7 +49,7 @@ def pack(key: torch.Tensor, value: torch.Tensor, *, sink: int, recent: int, ring
                             device=key.device, key_bits=cfg.side_bits["key"], value_bits=cfg.bits,
                             group_size=cfg.group_size, scale_dtype=cfg.torch_scale_dtype, centered=cfg.centering,
                             key_rotation=rotations[0], value_rotation=rotations[1],
-                            implied_zero=not cfg.grid.stores_zero)
+                            quantizer=cfg.quantizer)
     for sink_rows, recent_rows, x in ((packed.sink_k, packed.recent_k, key), (packed.sink_v, packed.recent_v, value)):
         sink_rows.copy_(x[:, :, :sink])
         recent_rows.copy_(x[:, :, total - recent:].roll(ring_start, dims=2))

@@ -16,11 +16,12 @@ from oscar_hf.kernels.append import reference as append_reference  # noqa: E402
 from oscar_hf.kernels.append import triton as append_triton  # noqa: E402
 
 
-@pytest.mark.parametrize("dim, key_bits, centered, clips, per_head, symmetric",
-                         [(64, 2, True, (0.96, 0.92), False, False), (256, 4, False, (1.0, 1.0), False, False),
-                          (64, 2, True, (0.96, 0.92), True, False), (64, 4, True, (0.96, 0.92), False, True)],
-                         ids=["D64-centered-clipped", "D256-k4", "D64-per-head", "D64-k4-symmetric"])
-def test_append_kernel_equals_its_torch_twin(dim, key_bits, centered, clips, per_head, symmetric):
+@pytest.mark.parametrize("dim, key_bits, centered, clips, per_head, quantizer",
+                         [(64, 2, True, (0.96, 0.92), False, "uniform"), (256, 4, False, (1.0, 1.0), False, "uniform"),
+                          (64, 2, True, (0.96, 0.92), True, "uniform"), (64, 4, True, (0.96, 0.92), False, "symmetric"),
+                          (64, 2, True, (0.96, 0.92), False, "compact")],
+                         ids=["D64-centered-clipped", "D256-k4", "D64-per-head", "D64-k4-symmetric", "D64-compact"])
+def test_append_kernel_equals_its_torch_twin(dim, key_bits, centered, clips, per_head, quantizer):
     """The append kernel and its twin over PackedKVs built without a cache: the same windows, history, means,
     counts, flags and rotated queries after every step, through sink, window, demotions and a full cache, with a
     shared rotation or one per KV head. K/V and q are multiples of 1/4 below 64 and the rotations signed Hadamard
@@ -31,7 +32,7 @@ def test_append_kernel_equals_its_torch_twin(dim, key_bits, centered, clips, per
 
     def storage():
         packed = PackedKV.empty(batch, heads, dim, sink=sink, history=max_len - sink - recent, recent=recent + flush,
-                                device=DEVICE, key_bits=key_bits, centered=centered, implied_zero=symmetric)
+                                device=DEVICE, key_bits=key_bits, centered=centered, quantizer=quantizer)
         for t in (*packed.windows, *packed.history, *packed.centers):
             t.zero_()
         packed.counts = torch.tensor([0, 0, 0, 0, -1, -1, -1, -1], dtype=torch.int32, device=DEVICE)

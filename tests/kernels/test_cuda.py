@@ -124,6 +124,40 @@ def test_quantized_generation_runs_on_cuda_with_every_mode():
         assert all(layer.n_history > 0 for layer in cache.layers)
 
 
+@pytest.mark.parametrize("quantizer", ["symmetric", "compact"])
+def test_metadata_formats_agree_across_backends_and_in_cuda_graphs(quantizer):
+    """Histories whose zeros are implied (symmetric) or whose scale and zero are bytes (compact), 4-bit K and 2-bit
+    V: one step's logits agree across the backends, and a compiled static cache's steps track eager's."""
+    model = cuda_model("qwen3-gqa-qknorm-d128", dtype=torch.bfloat16)
+    ids = torch.randint(3, 90, (2, 70), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    logits = {}
+    for backend in ("torch", "triton"):
+        cache = OscarQuantizedCache.from_pretrained(rotations_for(model, False), model=model, sink_tokens=4,
+                                                    recent_tokens=8, backend=backend, key_bits=4, quantizer=quantizer)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), use_cache=True)
+            step = model(input_ids=ids[:, -1:], attention_mask=torch.cat([mask, mask[:, -1:]], 1),
+                         **cache_kwargs(model, cache), use_cache=True)
+        assert all(layer.n_history > 0 for layer in cache.layers)
+        assert cache.layers[0].history["value_scale"].dtype == (torch.uint8 if quantizer == "compact"
+                                                                 else torch.float16)
+        logits[backend] = step.logits[:, -1].float()
+    torch.testing.assert_close(logits["triton"], logits["torch"], rtol=0.05, atol=0.05)
+
+    def generate(**kwargs):
+        cache = OscarQuantizedCache.from_pretrained(rotations_for(model, False), model=model, sink_tokens=4,
+                                                    recent_tokens=8, key_bits=4, quantizer=quantizer, **kwargs)
+        return model.generate(input_ids=ids[:, :40], attention_mask=mask[:, :40], max_new_tokens=16,
+                              do_sample=False, pad_token_id=0, past_key_values=cache, output_logits=True,
+                              return_dict_in_generate=True)
+
+    torch._dynamo.reset()
+    compiled, eager = generate(max_cache_len=64), generate()
+    torch.testing.assert_close(compiled.logits[1].float(), eager.logits[1].float(), rtol=0, atol=0.05)
+
+
 @pytest.mark.parametrize("dtype, key_bits, inductor_fast, per_head",
                          [(torch.float32, None, False, False), (torch.bfloat16, None, False, False),
                           (torch.bfloat16, 4, False, False), (torch.bfloat16, None, True, False),

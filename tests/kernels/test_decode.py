@@ -19,6 +19,7 @@ from oscar_hf.kernels.decode import reference as decode_reference  # noqa: E402
 from oscar_hf.kernels.decode.launch import DecodeConfig  # noqa: E402
 from oscar_hf.kernels.decode.triton import _decode_stage2_kernel, decode  # noqa: E402
 from oscar_hf.kernels.dequantize.reference import materialize  # noqa: E402
+from oscar_hf.quantizer import QUANTIZERS  # noqa: E402
 
 
 def test_backends_registered():
@@ -106,10 +107,12 @@ def test_decode_gqa_head_dims_dtypes(groups, dim, dtype):
 
 @pytest.mark.parametrize("dim, key_bits, dtype", [(64, 2, torch.bfloat16), (128, 4, torch.float16)],
                          ids=["D64-paired", "D128-k4"])
-def test_decode_symmetric_quantizer(dim, key_bits, dtype):
-    """Histories with implied zeros (``-s·(2^bits - 1)/2``, the symmetric quantizer): no zero rows are read."""
-    _, packed = check_decode(2, 2, 4, dim, 200, dtype, pads=(0, 9), quantizer="symmetric", key_bits=key_bits)
-    assert packed.key.implied_zero and packed.value.implied_zero
+@pytest.mark.parametrize("quantizer", ["symmetric", "compact"])
+def test_decode_metadata_formats(dim, key_bits, dtype, quantizer):
+    """Histories with implied zeros (``-s·(2^bits - 1)/2``, the symmetric quantizer: no zero rows are read) and with
+    byte scales and zeros (the compact quantizer), paired tiles and byte tiles."""
+    _, packed = check_decode(2, 2, 4, dim, 200, dtype, pads=(0, 9), quantizer=quantizer, key_bits=key_bits)
+    assert packed.key.meta == packed.value.meta == QUANTIZERS[quantizer].meta
 
 
 def test_decode_left_padding_reaches_into_history():

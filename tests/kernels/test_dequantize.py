@@ -13,7 +13,7 @@ from oscar_hf.kernels import dequantize_backend  # noqa: E402
 from oscar_hf.kernels.dequantize import triton as dequantize_triton  # noqa: E402
 from oscar_hf.kernels.dequantize.reference import materialize  # noqa: E402
 from oscar_hf.kernels.dequantize.triton import supports_rows  # noqa: E402
-from oscar_hf.quantizer import quantize  # noqa: E402
+from oscar_hf.quantizer import QUANTIZERS, quantize  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -55,11 +55,13 @@ def test_dequantize_backend_falls_back_to_the_twin_where_the_kernel_cannot_serve
 
 
 @pytest.mark.parametrize("dtype, bits", [(torch.float16, 2), (torch.float32, 4)], ids=["fp16-int2", "fp32-int4"])
-def test_dequantize_kernel_symmetric_rows(dtype, bits):
-    """Rows with implied zeros (the symmetric quantizer) read as the twin reads them, bit for bit."""
+@pytest.mark.parametrize("quantizer", ["symmetric", "compact"])
+def test_dequantize_kernel_metadata_formats(dtype, bits, quantizer):
+    """Rows with implied zeros (the symmetric quantizer) or byte scales and zeros (the compact one) read as the
+    twin reads them, bit for bit."""
     kv = randn(2, 1, 2, 90, 64, seed=3).to(dtype)
-    packed = pack(kv[0], kv[1], sink=4, recent=8, bits=bits, quantizer="symmetric")
-    assert packed.key.zero.shape[-1] == 0 and packed.value.implied_zero
+    packed = pack(kv[0], kv[1], sink=4, recent=8, bits=bits, quantizer=quantizer)
+    assert packed.key.meta == packed.value.meta == QUANTIZERS[quantizer].meta
     for side in ("key", "value"):
         got = materialize(packed, side, fill=dequantize_triton.fill_history)
         assert torch.equal(got, materialize(packed, side)), side

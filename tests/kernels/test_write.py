@@ -11,7 +11,7 @@ from packed_inputs import DEVICE, DTYPE_IDS, assert_same_rows, randn  # noqa: E4
 from oscar_hf.kernels import quantize_kv  # noqa: E402
 from oscar_hf.kernels.write.triton import quantize_pack, quantize_pack_kv  # noqa: E402
 from oscar_hf.kernels.write.triton import supports as write_supports  # noqa: E402
-from oscar_hf.quantizer import quantize  # noqa: E402
+from oscar_hf.quantizer import BYTE_META, quantize  # noqa: E402
 
 WRITE_SHAPES = {
     "D128-int2": (128, 2, None, 0.96, 0.92), "D64-int2-g32": (64, 2, 32, 0.96, 1.0),
@@ -110,6 +110,35 @@ def test_write_kernel_rejects_scale_overflow():
     with pytest.raises(ValueError, match="scale_dtype"):
         quantize_pack(x, scale_dtype=torch.float16)
     assert_same_rows(quantize_pack(x, scale_dtype=torch.float32), quantize(x, scale_dtype=torch.float32))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_write_kernel_rejects_a_byte_scale_overflow():
+    """Steps past the compact quantizer's largest byte scale raise as the quantizer does, naming the fix."""
+    x = randn(2, 64, seed=7)
+    x[0, :2] = torch.tensor([1e6, -1e6], device=DEVICE)
+    with pytest.raises(ValueError, match="compact quantizer's scale range.*quantizer='uniform'"):
+        quantize_pack(x, method="compact")
+    with pytest.raises(ValueError, match="compact quantizer's scale range"):
+        quantize(x, method="compact")
+
+
+@pytest.mark.parametrize("d, bits, group, clip, offset", [(128, 2, None, 0.96, 0.0), (64, 4, 32, 1.0, 3.0),
+                                                          (256, 2, 64, 0.92, -40.0), (64, 2, None, 1.0, 1e-5)],
+                         ids=["D128-int2", "D64-int4-g32-offset", "D256-int2-g64-offset", "D64-tiny"])
+def test_write_kernel_compact_quantizer(d, bits, group, clip, offset):
+    """The compact grid: byte scales and int8 zeros bit-identical to the quantizer's, codes alike, centred or not,
+    rows offset far from 0 (zeros near int8's ends) and tiny ones (scales at the byte floor)."""
+    scale = 1e-6 if offset == 1e-5 else 1.0
+    key, value = (randn(2, 2, 3, 21, d, seed=d) * scale + offset).to(torch.bfloat16).unbind(0)
+    center = randn(2, 3, 1, d, seed=1)
+    kwargs = dict(bits=bits, group_size=group, scale_dtype=torch.float16, method="compact")
+    assert write_supports(key, group or d, "compact", bits)
+    got_k, got_v = quantize_pack_kv(key, value, k_clip=clip, v_clip=clip, key_center=center, **kwargs)
+    want_k, want_v = quantize_kv(key, value, k_clip=clip, v_clip=clip, key_center=center, **kwargs)
+    assert got_k.scale.dtype == torch.uint8 and got_v.zero.dtype == torch.int8 and got_k.meta == BYTE_META
+    assert_same_rows(got_k, want_k)
+    assert_same_rows(got_v, want_v)
 
 
 @pytest.mark.parametrize("d, bits, group, clip", [(128, 2, None, 0.96), (64, 4, 32, 1.0), (256, 2, 64, 0.92)],

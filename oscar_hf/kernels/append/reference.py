@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ...quantizer import quantize
+from ...quantizer import GRID_OF_META, quantize
 from .. import flags as flag_bits
 from ..packed import PackedKV
 
@@ -57,7 +57,7 @@ def append(packed: PackedKV, key: torch.Tensor, value: torch.Tensor, *, flags: t
                     if n_hist == 0:
                         center.copy_(old.mean(dim=2, keepdim=True))
                     old = old - center
-                method = "symmetric" if rows.implied_zero else "uniform"
+                method = GRID_OF_META[rows.meta]
                 quantized, error = _quantize(old, clip, bits, packed.group_size, rows.scale.dtype, method)
                 flags[0] |= error << shift
                 for stored, part in zip(rows, quantized or ()):

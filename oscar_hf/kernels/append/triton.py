@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...quantizer import QuantizedRows
 from ..flags import FULL as FULL_FLAG
 from ..flags import KEY_SHIFT, VALUE_SHIFT
 from ..packed import PackedKV
@@ -30,6 +31,7 @@ from ..triton_utils import (
     kernel_clip_index,
     prefetch_window,
     quantize_tile,
+    scale_floor,
     store_rows,
     to_nearest_even,
 )
@@ -79,7 +81,7 @@ def _ring_rows(ring, stride_rn, start, mu, n_hist, r_ptr, CAP: tl.constexpr, FLU
 @triton.jit
 def _demote_rows(xs, centers, codes, scale, zero, stride_cn, stride_zn, n_hist, mu, tiny, FLUSH: tl.constexpr,
                  BLOCK_F: tl.constexpr, CENTERED: tl.constexpr, CLIP_INDEX: tl.constexpr, D: tl.constexpr,
-                 GROUP: tl.constexpr, BITS: tl.constexpr, SCALE_DT: tl.constexpr, SYMMETRIC: tl.constexpr):
+                 GROUP: tl.constexpr, BITS: tl.constexpr, SCALE_DT: tl.constexpr, META: tl.constexpr):
     """:func:`_ring_rows`' rows, centered, clipped, quantized and packed into history rows ``n_hist ...`` (the means
     stored where they set them); returns the write kernel's flag (0, 1 non-finite, 2 overflow)."""
     W: tl.constexpr = D * BITS // 8
@@ -92,9 +94,9 @@ def _demote_rows(xs, centers, codes, scale, zero, stride_cn, stride_zn, n_hist, 
                 tl.store(mu + i * W + tl.arange(0, W), centers[i])
             centered = centered + (tl.where(live[:, None], xs[i] - centers[i][None, :], 0.0),)
         xs = centered
-    packed, scales, zeros, flag = quantize_tile(xs, tiny, CLIP_INDEX, GROUP, BITS, SCALE_DT, SYMMETRIC)
+    packed, scales, zeros, flag = quantize_tile(xs, tiny, CLIP_INDEX, GROUP, BITS, SCALE_DT, META)
     store_rows(codes, scale, zero, (n_hist + r).to(tl.int64), stride_cn, stride_zn, live, packed, scales, zeros,
-               SYMMETRIC)
+               META)
     return flag
 
 
@@ -141,7 +143,7 @@ def _append_side(
     SINK: tl.constexpr, LIMIT: tl.constexpr, CAP: tl.constexpr, FLUSH: tl.constexpr, BLOCK_F: tl.constexpr,
     CENTERED: tl.constexpr, CLIP_INDEX: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
     SCALE_DT: tl.constexpr, ROTATE: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr, G_Q: tl.constexpr,
-    BLOCK_Q: tl.constexpr, FLAG_SHIFT: tl.constexpr, SYMMETRIC: tl.constexpr,
+    BLOCK_Q: tl.constexpr, FLAG_SHIFT: tl.constexpr, META: tl.constexpr,
 ):
     """One side (K or V) of the token of (batch, head) ``tl.program_id(0)``: stored into the sink or the ring, and,
     where the window is full, the side's FLUSH oldest ring rows demoted (rotated where ROTATE, by the head's
@@ -195,7 +197,7 @@ def _append_side(
             meta = b * stride_zb + h * stride_zh
             flag = _demote_rows(rows, centers, codes_ptr + b * stride_cb + h * stride_ch, scale_ptr + meta,
                                 zero_ptr + meta, stride_cn, stride_zn, n_hist, mu, tiny, FLUSH, BLOCK_F, CENTERED,
-                                CLIP_INDEX, D, GROUP, BITS, SCALE_DT, SYMMETRIC)
+                                CLIP_INDEX, D, GROUP, BITS, SCALE_DT, META)
             tl.atomic_or(flag_ptr, flag << FLAG_SHIFT, mask=flag != 0)
         # the new token's row is not one of those demoted (the ring has one more row than the window holds)
         tl.store(ring + ((start + n_rec) % CAP).to(tl.int64) * stride_rn + cols, x)
@@ -215,7 +217,7 @@ def _append_token_kernel(
     CENTERED: tl.constexpr, K_CLIP_INDEX: tl.constexpr, V_CLIP_INDEX: tl.constexpr, D: tl.constexpr,
     GROUP: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, SCALE_DT: tl.constexpr,
     ROTATE_K: tl.constexpr, ROTATE_V: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr,
-    G_Q: tl.constexpr, BLOCK_Q: tl.constexpr, SYMMETRIC: tl.constexpr,
+    G_Q: tl.constexpr, BLOCK_Q: tl.constexpr, META: tl.constexpr,
 ):
     # grid (B·H, 2): a program per (batch, KV head) and side, K (with the query rows) or V, so that the two sides'
     # demotions run side by side, of 8 warps (the demotion's clip rounds). PDL: launched early, a
@@ -230,7 +232,7 @@ def _append_token_kernel(
                      stride_qb, stride_qh,
                      q_out_ptr, counts_ptr, flag_ptr, tiny, H, max_len, SINK, LIMIT, CAP, FLUSH, BLOCK_F, CENTERED,
                      K_CLIP_INDEX, D, GROUP, K_BITS, SCALE_DT, ROTATE_K, FP32_DOT, PDL, G_Q, BLOCK_Q, K_FLAGS,
-                     SYMMETRIC)
+                     META)
     else:
         _append_side(v_ptr, stride_nb, stride_nh, sv_ptr, stride_sb, stride_sh, stride_sn, rv_ptr, stride_rb,
                      stride_rh, stride_rn, vc_ptr, vs_ptr, vz_ptr, stride_vcb, stride_vch, stride_vcn, stride_zb,
@@ -238,7 +240,7 @@ def _append_token_kernel(
                      stride_qb, stride_qh,
                      q_out_ptr, counts_ptr, flag_ptr, tiny, H, max_len, SINK, LIMIT, CAP, FLUSH, BLOCK_F, CENTERED,
                      V_CLIP_INDEX, D, GROUP, V_BITS, SCALE_DT, ROTATE_V, FP32_DOT, PDL, 0, BLOCK_Q, V_FLAGS,
-                     SYMMETRIC)
+                     META)
 
 
 def head_rotation(rotation: torch.Tensor | None, heads: int, placeholder: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -261,9 +263,9 @@ def _launch(key, value, key_rotation, value_rotation, windows, history, center, 
     key, value = key.contiguous(), value.contiguous()
     sink_k, sink_v, rec_k, rec_v = windows
     kc, ks, kz, vc, vs, vz = history
-    symmetric = kz.shape[-1] == 0  # zeros implied by the scales (the symmetric quantizer), on both sides
-    if symmetric != (vz.shape[-1] == 0):
-        raise ValueError("the append kernel stores zeros on both sides or on neither")
+    meta = QuantizedRows(kc, ks, kz).meta  # how both sides store their scales and zeros
+    if meta != QuantizedRows(vc, vs, vz).meta:
+        raise ValueError("the append kernel takes K and V rows of one metadata format (scale and zero dtypes alike)")
     mu = (*center, *center[0].stride()[:2]) if center else (key, key, 0, 0)
     q = q_out = key  # placeholders without a query (G_Q = 0: never read)
     if query is not None:
@@ -282,13 +284,13 @@ def _launch(key, value, key_rotation, value_rotation, windows, history, center, 
             kc, ks, kz, vc, vs, vz, *kc.stride()[:3], *vc.stride()[:3], *ks.stride()[:3],
             *mu, rot_k, rot_v, stride_rot_k, stride_rot_v,
             q, *q.stride()[:2], q_out,
-            counts, flags, torch.finfo(ks.dtype).tiny, heads, max_len,
+            counts, flags, scale_floor(ks.dtype), heads, max_len,
             SINK=sink_tokens, LIMIT=limit, CAP=rec_k.shape[2], FLUSH=flush,
             BLOCK_F=max(16, triton.next_power_of_2(flush)), CENTERED=bool(center),
             K_CLIP_INDEX=k_clip_index, V_CLIP_INDEX=v_clip_index, D=d, GROUP=group, K_BITS=key_bits, V_BITS=value_bits,
             SCALE_DT=TL_DTYPES[ks.dtype], ROTATE_K=key_rotation is not None, ROTATE_V=value_rotation is not None,
             FP32_DOT=key.dtype == torch.bfloat16 and interpreting, PDL=pdl,
-            G_Q=group_q, BLOCK_Q=max(16, triton.next_power_of_2(group_q)), SYMMETRIC=symmetric, num_warps=8,
+            G_Q=group_q, BLOCK_Q=max(16, triton.next_power_of_2(group_q)), META=meta, num_warps=8,
             launch_pdl=pdl,
         )
     return None if query is None else q_out

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from ...quantizer import QuantizedRows
 from ..packed import PackedKV
+from ..triton_utils import IMPLIED_ZERO, meta_values
 from ..utils import on_device_of, triton_runs_on
 
 BLOCK_N = 32  # tokens per program
@@ -26,11 +27,11 @@ def _dequantize_kernel(
     stride_ob, stride_oh, stride_on,
     n_tokens, H,
     D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, CENTERED: tl.constexpr,
-    SYMMETRIC: tl.constexpr,
+    META: tl.constexpr,
 ):
     """Grid ``B·H × cdiv(n_tokens, BLOCK_N)``. Byte ``j`` of a token's codes holds channels ``j + i·W`` at bit
-    ``i·bits`` (``W = D·bits/8``); its scale and zero are ``[n_tokens, D/GROUP]`` (SYMMETRIC: no zero, it is
-    ``-scale·(2^bits - 1)/2``)."""
+    ``i·bits`` (``W = D·bits/8``); its scale and zero are ``[n_tokens, D/GROUP]``, decoded by their format META
+    (``meta_values``; IMPLIED_ZERO: no zero, it is ``-scale·(2^bits - 1)/2``)."""
     W: tl.constexpr = D * BITS // 8
     bh = tl.program_id(0)
     b = (bh // H).to(tl.int64)
@@ -45,11 +46,11 @@ def _dequantize_kernel(
     for i in tl.static_range(8 // BITS):
         channel = i * W + byte
         code = ((packed >> (i * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
-        scale = tl.load(scale_ptr + meta + (channel // GROUP)[None, :], mask=live, other=0).to(tl.float32)
-        if SYMMETRIC:
-            zero = scale * (-((1 << BITS) - 1) / 2)
-        else:
-            zero = tl.load(zero_ptr + meta + (channel // GROUP)[None, :], mask=live, other=0).to(tl.float32)
+        scale = tl.load(scale_ptr + meta + (channel // GROUP)[None, :], mask=live, other=0)
+        zero = scale
+        if META != IMPLIED_ZERO:
+            zero = tl.load(zero_ptr + meta + (channel // GROUP)[None, :], mask=live, other=0)
+        scale, zero = meta_values(scale, zero, BITS, META)
         x = zero + scale * code
         if CENTERED:
             x += tl.load(center_ptr + b * stride_mu_b + h * stride_mu_h + channel)[None, :]
@@ -92,7 +93,7 @@ def dequantize_rows(rows: QuantizedRows, center: torch.Tensor | None, out: torch
             *codes.stride()[:3], *scale.stride()[:3], *center.stride()[:2], *out.stride()[:3],
             n, heads,
             D=dim, BITS=bits, GROUP=dim // scale.shape[-1], BLOCK_N=BLOCK_N, CENTERED=centered,
-            SYMMETRIC=rows.implied_zero, num_warps=4, enable_fp_fusion=False,
+            META=rows.meta, num_warps=4, enable_fp_fusion=False,
         )
 
 

@@ -1,5 +1,5 @@
 """Triton write kernel: clip, center, quantize and pack K and V rows in one launch, bit for bit equal to
-:func:`oscar_hf.kernels.write.reference.quantize_kv` (uniform and symmetric quantizers, per token).
+:func:`oscar_hf.kernels.write.reference.quantize_kv` (uniform, symmetric and compact quantizers, per token).
 
 The clip threshold ``τ = sort(|x|)[floor(c·D)]`` is found exactly on the int32 bit patterns of ``|x|`` (largest values
 taken in turn where few lie above τ, else bisection), so ties give the sort's τ; each group's zero is its minimum
@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ...quantizer import QuantizedRows, grid_for, quantize
 from ..flags import KEY_SHIFT, VALUE_SHIFT, raise_for_flags
-from ..triton_utils import TL_DTYPES, kernel_clip_index, quantize_tile, store_rows
+from ..triton_utils import TL_DTYPES, kernel_clip_index, quantize_tile, scale_floor, store_rows
 from ..utils import on_device_of, triton_runs_on
 from .reference import check_center, quantize_kv
 
@@ -31,7 +31,7 @@ def _quantize_block(
     codes_ptr, scale_ptr, zero_ptr, flag_ptr, tiny,
     FLAG_SHIFT: tl.constexpr, CLIP_INDEX: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
     BITS: tl.constexpr, BLOCK_R: tl.constexpr, SCALE_DT: tl.constexpr, CENTERED: tl.constexpr,
-    SYMMETRIC: tl.constexpr,
+    META: tl.constexpr,
 ):
     """Rows ``r`` of BLOCK_R (row ``r`` at ``x[r // n_per_p, r % n_per_p]``), minus ``μ[r // n_per_p]`` (fp32
     ``[P, D]``) where CENTERED, quantized into codes, scale and zero row ``r``."""
@@ -47,10 +47,10 @@ def _quantize_block(
         if CENTERED:
             x = tl.where(live[:, None], x - tl.load(mu_ptr + p[:, None] * D + cols[None, :], mask=live[:, None]), 0.0)
         xs = xs + (x,)
-    packed, scales, zeros, flag = quantize_tile(xs, tiny, CLIP_INDEX, GROUP, BITS, SCALE_DT, SYMMETRIC)
+    packed, scales, zeros, flag = quantize_tile(xs, tiny, CLIP_INDEX, GROUP, BITS, SCALE_DT, META)
     flags = flag << FLAG_SHIFT
     tl.atomic_or(flag_ptr, flags, mask=flags != 0)
-    store_rows(codes_ptr, scale_ptr, zero_ptr, r.to(tl.int64), W, D // GROUP, live, packed, scales, zeros, SYMMETRIC)
+    store_rows(codes_ptr, scale_ptr, zero_ptr, r.to(tl.int64), W, D // GROUP, live, packed, scales, zeros, META)
 
 
 @triton.jit(do_not_specialize=["k_stride_p", "v_stride_p", "n_per_p", "rows"])  # lengths vary: compile once
@@ -59,15 +59,15 @@ def _quantize_kv_kernel(
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, flag_ptr, tiny,
     K_CLIP_INDEX: tl.constexpr, V_CLIP_INDEX: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, BLOCK_R: tl.constexpr, SCALE_DT: tl.constexpr,
-    K_CENTERED: tl.constexpr, V_CENTERED: tl.constexpr, SYMMETRIC: tl.constexpr,
+    K_CENTERED: tl.constexpr, V_CENTERED: tl.constexpr, META: tl.constexpr,
 ):
     # grid (row blocks, sides): side 0 quantizes K, side 1 V, each into its own codes, scales and zeros
     if tl.program_id(1) == 0:
         _quantize_block(k_ptr, k_stride_p, k_stride_n, n_per_p, rows, k_mu_ptr, kc_ptr, ks_ptr, kz_ptr, flag_ptr,
-                        tiny, K_FLAGS, K_CLIP_INDEX, D, GROUP, K_BITS, BLOCK_R, SCALE_DT, K_CENTERED, SYMMETRIC)
+                        tiny, K_FLAGS, K_CLIP_INDEX, D, GROUP, K_BITS, BLOCK_R, SCALE_DT, K_CENTERED, META)
     else:
         _quantize_block(v_ptr, v_stride_p, v_stride_n, n_per_p, rows, v_mu_ptr, vc_ptr, vs_ptr, vz_ptr, flag_ptr,
-                        tiny, V_FLAGS, V_CLIP_INDEX, D, GROUP, V_BITS, BLOCK_R, SCALE_DT, V_CENTERED, SYMMETRIC)
+                        tiny, V_FLAGS, V_CLIP_INDEX, D, GROUP, V_BITS, BLOCK_R, SCALE_DT, V_CENTERED, META)
 
 
 def _rows_view(x: torch.Tensor) -> torch.Tensor:
@@ -78,7 +78,7 @@ def _rows_view(x: torch.Tensor) -> torch.Tensor:
 
 def supports(x: torch.Tensor, group: int, method: str, *bits: int) -> bool:
     """Whether the kernel handles these rows, group size and quantizer at each of ``bits`` (else the oracle runs):
-    the uniform or symmetric quantizer, power-of-two D and group, a group spanning whole channel sub-tiles
+    the uniform, symmetric or compact quantizer, power-of-two D and group, a group spanning whole channel sub-tiles
     (``group >= D·bits/8``), on CUDA (or anywhere under TRITON_INTERPRET=1)."""
     d = x.shape[-1]
     return (grid_for(method).triton and d >= 8 and d & (d - 1) == 0 and d * max(bits) // 8 <= group <= d
@@ -103,9 +103,10 @@ def quantize_pack_kv(
     bf16/fp16/fp32, any leading strides) in one launch, each minus its center where one is given (fp32
     ``[..., 1, D]``, the rows' leading dims: the cache's ``x - μ``, computed in the kernel).
 
-    Returns ``(QuantizedRows for key, QuantizedRows for value)``: codes uint8 ``[..., D·bits/8]``, scale
-    and zero ``[..., D/group]`` in ``scale_dtype``, equal to the torch writer (``reference.quantize_kv``:
-    ``quantizer.quantize`` of ``x.float() - center``) on each side (the symmetric quantizer's zero ``[..., 0]``).
+    Returns ``(QuantizedRows for key, QuantizedRows for value)``: codes uint8 ``[..., D·bits/8]``, scale and zero
+    ``[..., D/group]`` as the quantizer stores them (``Grid.meta_dtypes``), equal to the torch writer
+    (``reference.quantize_kv``: ``quantizer.quantize`` of ``x.float() - center``) on each side (the symmetric
+    quantizer's zero ``[..., 0]``).
     The Lloyd-Max quantizer and non-power-of-two D fall back to that writer.
     """
     group = group_size or key.shape[-1]
@@ -142,10 +143,11 @@ def _launch(sides, clips, bits, group, scale_dtype, method, centers=(None,)) -> 
     views = [_rows_view(x) for x in sides]
     k3 = views[0]
     d, n, rows = k3.shape[2], k3.shape[1], k3.shape[0] * k3.shape[1]
-    ng, device, symmetric = d // group, k3.device, not grid_for(method).stores_zero
+    ng, device, grid = d // group, k3.device, grid_for(method)
+    scale_dt, zero_dt = grid.meta_dtypes(scale_dtype)
     outs = [QuantizedRows(torch.empty(rows, d * b // 8, dtype=torch.uint8, device=device),
-                          torch.empty(rows, ng, dtype=scale_dtype, device=device),
-                          torch.empty(rows, 0 if symmetric else ng, dtype=scale_dtype, device=device)) for b in bits]
+                          torch.empty(rows, ng, dtype=scale_dt, device=device),
+                          torch.empty(rows, ng * grid.stores_zero, dtype=zero_dt, device=device)) for b in bits]
     if rows:
         flag = torch.zeros(1, dtype=torch.int32, device=device)
         clip_indices = [kernel_clip_index(c, d) for c in clips]
@@ -155,12 +157,12 @@ def _launch(sides, clips, bits, group, scale_dtype, method, centers=(None,)) -> 
         with on_device_of(k3):
             _quantize_kv_kernel[(triton.cdiv(rows, block_r), len(sides))](
                 k3, k3.stride(0), k3.stride(1), v3, v3.stride(0), v3.stride(1), n, rows, mus[0], mus[-1],
-                *outs[0], *vo, flag, torch.finfo(scale_dtype).tiny,
+                *outs[0], *vo, flag, scale_floor(scale_dt),
                 K_CLIP_INDEX=clip_indices[0], V_CLIP_INDEX=clip_indices[-1],
-                D=d, GROUP=group, K_BITS=bits[0], V_BITS=bits[-1], BLOCK_R=block_r, SCALE_DT=TL_DTYPES[scale_dtype],
-                K_CENTERED=centers[0] is not None, V_CENTERED=centers[-1] is not None, SYMMETRIC=symmetric,
+                D=d, GROUP=group, K_BITS=bits[0], V_BITS=bits[-1], BLOCK_R=block_r, SCALE_DT=TL_DTYPES[scale_dt],
+                K_CENTERED=centers[0] is not None, V_CENTERED=centers[-1] is not None, META=grid.meta,
                 num_warps=1,
             )
-        raise_for_flags(int(flag.item()), scale_dtype)
+        raise_for_flags(int(flag.item()), scale_dt)
     lead = sides[0].shape[:-1]
     return tuple(QuantizedRows(*(t.view(*lead, t.shape[-1]) for t in out)) for out in outs)

@@ -1,0 +1,1 @@
+"""Absorbed multi-head latent attention for decode steps over a latent cache (``reference.py``)."""
