@@ -134,8 +134,9 @@ def test_cache_quantizes_through_the_triton_writer():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("centering", [True, False], ids=["centered", "uncentered"])
 def test_latent_layer_reads_its_history_through_the_dequantize_kernel(dtype, centering):
-    """A multi-head latent attention layer (latent 64 channels, rotated, groups of 32) with backend "triton" returns
-    what the torch twin returns: fp32 within 1e-6, bf16 within one ulp of the dequantized rows' rounding."""
+    """A multi-head latent attention layer (latent 64 channels, rotated, groups of 32) with backend "triton" reads
+    back what the torch twin reads (a decode step's handle, dense): fp32 within 1e-6, bf16 within one ulp of the
+    dequantized rows' rounding."""
     rotation = torch.linalg.qr(torch.randn(64, 64, generator=torch.Generator().manual_seed(3)))[0]
     latent, rope = randn(2, 2, 1, 90, 64, seed=13).to(dtype), randn(2, 1, 90, 16, seed=14).to(dtype)
     got = {}
@@ -143,7 +144,7 @@ def test_latent_layer_reads_its_history_through_the_dequantize_kernel(dtype, cen
         layer = LatentOscarLayer(OscarConfig(sink_tokens=4, recent_tokens=8, flush_tokens=4, group_size=32,
                                              centering=centering, backend=backend), rotation)
         layer.update(latent[0], rope)
-        got[backend] = layer.update(latent[1, :, :, :3], rope[:, :, :3])[0]
+        got[backend] = layer.update(latent[1, :, :, :3], rope[:, :, :3])[0].dense()
         assert layer.n_history > 70
     if dtype == torch.bfloat16:
         torch.testing.assert_close(got["triton"], got["torch"], rtol=2**-6, atol=2**-6)
