@@ -57,20 +57,20 @@ def captured_launch(head_dim: int, dtype: torch.dtype, key_bits: int) -> tuple[t
     kv = torch.randn(2, 1, 8, 64 + 1024 + 256, head_dim, generator=torch.Generator().manual_seed(0)).to(dtype)
     layer.update(kv[0], kv[1])
     query = torch.randn(1, 32, 1, head_dim).to(dtype)
-    stage1, stage2 = triton_decode._decode_stage1_kernel, triton_decode._decode_stage2_kernel
+    stage1, stage2 = triton_decode.decode_stage1_kernel, triton_decode.decode_stage2_kernel
     capture = _Capture()
     try:
-        triton_decode._decode_stage1_kernel, triton_decode._decode_stage2_kernel = capture, _Capture()
+        triton_decode.decode_stage1_kernel, triton_decode.decode_stage2_kernel = capture, _Capture()
         triton_decode.decode(query, layer.packed(), None, None)
     finally:
-        triton_decode._decode_stage1_kernel, triton_decode._decode_stage2_kernel = stage1, stage2
+        triton_decode.decode_stage1_kernel, triton_decode.decode_stage2_kernel = stage1, stage2
     (args, kwargs), = capture.calls
     return args, kwargs
 
 
 def compile_stage1(args: tuple, kwargs: dict) -> triton.compiler.CompiledKernel:
     """Stage 1 compiled for sm_90 from a captured launch, specialized as Triton does on a GPU."""
-    kernel = triton_decode._decode_stage1_kernel
+    kernel = triton_decode.decode_stage1_kernel
     values = dict(zip(kernel.arg_names, args)) | {k: v for k, v in kwargs.items() if k in kernel.arg_names}
     values["PDL"] = True  # sm_90: both stages are launched early (off for CPU tensors)
     signature, constexprs, attrs = {}, {}, {}

@@ -7,20 +7,26 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import quantizer
-from ..quantizer import clip_index
+from ..quantizer import BYTE_META as _BYTE_META
+from ..quantizer import (
+    BYTE_SCALE_MANTISSA_BITS,
+    BYTE_SCALE_MIN_EXPONENT,
+    ZERO_EIGHTHS,
+    clip_index,
+)
+from ..quantizer import IMPLIED_ZERO as _IMPLIED_ZERO
 
 FP32_MAX = tl.constexpr(3.4028234663852886e38)
 # the metadata formats (``quantizer.QuantizedRows.meta``), the kernels' META
-IMPLIED_ZERO = tl.constexpr(quantizer.IMPLIED_ZERO)
-BYTE_META = tl.constexpr(quantizer.BYTE_META)
-_MANTISSA_BITS = tl.constexpr(quantizer.BYTE_SCALE_MANTISSA_BITS)
-_MANTISSA_SHIFT = tl.constexpr(23 - quantizer.BYTE_SCALE_MANTISSA_BITS)
-_MANTISSA_MASK = tl.constexpr((1 << quantizer.BYTE_SCALE_MANTISSA_BITS) - 1)
-_ROUND_UP = tl.constexpr((1 << (23 - quantizer.BYTE_SCALE_MANTISSA_BITS)) - 1)  # to add, then drop: rounds up
-_EXPONENT_BIAS = tl.constexpr(127 + quantizer.BYTE_SCALE_MIN_EXPONENT)
-_MIN_BYTE_SCALE = tl.constexpr(2.0**quantizer.BYTE_SCALE_MIN_EXPONENT)
-_EIGHTH = tl.constexpr(1 / quantizer.ZERO_EIGHTHS)
+IMPLIED_ZERO = tl.constexpr(_IMPLIED_ZERO)
+BYTE_META = tl.constexpr(_BYTE_META)
+_MANTISSA_BITS = tl.constexpr(BYTE_SCALE_MANTISSA_BITS)
+_MANTISSA_SHIFT = tl.constexpr(23 - BYTE_SCALE_MANTISSA_BITS)
+_MANTISSA_MASK = tl.constexpr((1 << BYTE_SCALE_MANTISSA_BITS) - 1)
+_ROUND_UP = tl.constexpr((1 << (23 - BYTE_SCALE_MANTISSA_BITS)) - 1)  # to add, then drop: rounds up
+_EXPONENT_BIAS = tl.constexpr(127 + BYTE_SCALE_MIN_EXPONENT)
+_MIN_BYTE_SCALE = tl.constexpr(2.0**BYTE_SCALE_MIN_EXPONENT)
+_EIGHTH = tl.constexpr(1 / ZERO_EIGHTHS)
 
 
 TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32, torch.uint8: tl.uint8}

@@ -17,7 +17,7 @@ from oscar_hf.kernels import ATTENTION_BACKENDS, WRITE_BACKENDS, PackedKV  # noq
 from oscar_hf.kernels.decode import launch  # noqa: E402
 from oscar_hf.kernels.decode import reference as decode_reference  # noqa: E402
 from oscar_hf.kernels.decode.launch import DecodeConfig  # noqa: E402
-from oscar_hf.kernels.decode.triton import _decode_stage2_kernel, decode  # noqa: E402
+from oscar_hf.kernels.decode.triton import decode, decode_stage2_kernel  # noqa: E402
 from oscar_hf.kernels.dequantize.reference import materialize  # noqa: E402
 from oscar_hf.quantizer import QUANTIZERS  # noqa: E402
 
@@ -310,7 +310,7 @@ def test_decode_merge_of_many_splits(centered, apart, sinks):
     mu_k, mu_v = randn(1, rows, dim, seed=6), randn(1, rows, dim, seed=7)
     out, out_hist = (torch.empty(rows, dim, dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
     sink_logits = randn(rows, seed=8) * 4
-    _decode_stage2_kernel[(rows, dim // 32)](part_o, part_lse, out, out_hist, splits, hist_from, query,
+    decode_stage2_kernel[(rows, dim // 32)](part_o, part_lse, out, out_hist, splits, hist_from, query,
                                              *query.stride()[:3], mu_k, mu_v, *mu_k.stride()[:2], rows, qk_scale,
                                              sink_logits, G_Q=1, Q_LEN=1, D=dim, BLOCK_D=32, BLOCK_S=128,
                                              CENTERED=centered, APART=apart, PDL=False, HAS_SINKS=sinks)

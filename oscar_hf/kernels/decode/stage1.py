@@ -508,7 +508,7 @@ def _attend_dense(
 
 # Sequence-dependent ints are not specialized (on == 1 / divisibility by 16): each new combination would compile.
 @triton.jit(do_not_specialize=["stride_mb", "hist_splits", "sink_splits", "total_splits", "rec_cap"])
-def _decode_stage1_kernel(
+def decode_stage1_kernel(
     q_ptr, stride_qb, stride_qh, stride_qt, qr_ptr, stride_qrb, stride_qrh, stride_qrt,
     sk_ptr, sv_ptr, stride_sink_b, stride_sink_h, stride_sink_n,
     rk_ptr, rv_ptr, stride_rec_b, stride_rec_h, stride_rec_n,

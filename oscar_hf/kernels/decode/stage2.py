@@ -8,7 +8,7 @@ import triton.language as tl
 
 
 @triton.jit(do_not_specialize=["total_splits", "hist_from"])
-def _decode_stage2_kernel(
+def decode_stage2_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, out_hist_ptr, total_splits, hist_from, q_ptr, stride_qb, stride_qh, stride_qt,
     mu_k_ptr, mu_v_ptr, stride_mu_b, stride_mu_h, HQ, qk_scale, sinks_ptr,
     G_Q: tl.constexpr, Q_LEN: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,

@@ -30,14 +30,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ... import quantizer
-from ...quantizer import QuantizedRows
+from ...quantizer import IMPLIED_ZERO, QuantizedRows
 from ..packed import PackedKV
 from ..utils import has_pdl, on_device_of
 from .launch import WINDOW_BLOCK, DecodeConfig, default_config, plan, window_prefetch
 from .stage0 import rotate_query
-from .stage1 import MAGIC, _decode_stage1_kernel
-from .stage2 import _decode_stage2_kernel
+from .stage1 import MAGIC, decode_stage1_kernel
+from .stage2 import decode_stage2_kernel
 
 LOG2E = 1.4426950408889634
 
@@ -89,7 +88,7 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
     meta = QuantizedRows(*history[:3]).meta  # how both sides store their scales and zeros
     if meta != QuantizedRows(*history[3:]).meta:
         raise ValueError("decode reads K and V rows of one metadata format (scale and zero dtypes alike)")
-    if meta == quantizer.IMPLIED_ZERO:  # the scales stand in for the zeros' pointers (never read)
+    if meta == IMPLIED_ZERO:  # the scales stand in for the zeros' pointers (never read)
         history = [history[0], history[1], history[1], history[3], history[4], history[4]]
     history = [t.view(torch.int16) if i % 3 == 0 and (paired or t.shape[-1] >= 32) else t
                for i, t in enumerate(history)]
@@ -102,7 +101,7 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
     hist_strides = history[0].stride()[:2] + history[3].stride()[:2] + history[1].stride()[:2]
     mu = (*center, *center[0].stride()[:2]) if center else (mask, mask, 0, 0)
     with on_device_of(query):
-        _decode_stage1_kernel[(batch * heads, total)](
+        decode_stage1_kernel[(batch * heads, total)](
             query, *query.stride()[:3], rotated_query, *rotated_query.stride()[:3],
             _storage(sink_k), _storage(sink_v), *sink_k.stride()[:3],
             _storage(rec_k), _storage(rec_v), *rec_k.stride()[:3],
@@ -123,7 +122,7 @@ def _launch(query, windows, history, center, attention_mask, counts, scaling, ke
             num_stages=cfg.num_stages, launch_pdl=pdl,
             **({"maxnreg": cfg.max_registers} if cfg.max_registers and not interpreting else {}),
         )
-        _decode_stage2_kernel[(batch * hq * q_len, d // 32)](
+        decode_stage2_kernel[(batch * hq * q_len, d // 32)](
             part_o, part_lse, out, out_hist, total, total - hist_splits, rotated_query, *rotated_query.stride()[:3],
             *mu, hq, scaling * LOG2E, mask if sinks is None else sinks,
             G_Q=group_q, Q_LEN=q_len, D=d, BLOCK_D=32, BLOCK_S=min(256, triton.next_power_of_2(total)),
