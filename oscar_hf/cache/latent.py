@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import types
+from types import MethodType
 
 import torch
 from torch.utils._pytree import tree_map_only
@@ -72,7 +72,7 @@ def absorb_expand_kv(module: torch.nn.Module) -> None:
     function, and expand everything else as its class does. A method bound to the module, so that a copy of the
     model expands with its own weights. Idempotent."""
     if getattr(module.__dict__.get("expand_kv"), "__func__", None) is not _expand_kv:
-        module.expand_kv = types.MethodType(_expand_kv, module)
+        module.expand_kv = MethodType(_expand_kv, module)
 
 
 def _expand_kv(self, kv_nope, k_rot):
