@@ -48,6 +48,7 @@ BYTE_SCALE_MAX = (2 - 2.0**-BYTE_SCALE_MANTISSA_BITS) * 2.0 ** (BYTE_SCALE_MIN_E
 _MANTISSA_SHIFT = 23 - BYTE_SCALE_MANTISSA_BITS  # of the kept mantissa bits in an fp32
 _MANTISSA_MASK = (1 << BYTE_SCALE_MANTISSA_BITS) - 1
 ZERO_EIGHTHS = 8  # a byte zero counts eighths of its scale
+ZERO_LIMIT = 127 / ZERO_EIGHTHS  # a byte scale covers at least |min| / ZERO_LIMIT, so that the zero fits int8
 
 
 class QuantizedRows(NamedTuple):
@@ -75,16 +76,23 @@ class QuantizedRows(NamedTuple):
     def zeros(self, bits: int) -> torch.Tensor:
         """The zero of each scale, fp32, shaped like ``scale``: the stored one, ``-scale·(2^bits - 1)/2``, or a byte
         zero's eighths of its scale (exact)."""
-        if self.meta == BYTE_META:
-            return byte_zero(self.zero, self.scales())
         if self.implied_zero:
             return implied_zero(self.scale, bits)
-        return self.zero.float()
+        return stored_values(self.scale, self.zero)[1]
+
+
+def stored_values(scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored scales and zeros (the same shape) → fp32 ``(scale, zero)``, exactly: byte ones decoded (uint8 scales,
+    int8 zeros in eighths of them), float ones widened. The kernels' ``meta_values`` does the same."""
+    if scale.dtype == torch.uint8:
+        s = decode_byte_scale(scale)
+        return s, byte_zero(zero, s)
+    return scale.float(), zero.float()
 
 
 def decode_byte_scale(code: torch.Tensor) -> torch.Tensor:
     """uint8 byte scales → fp32: ``(1 + m/8)·2^(e + BYTE_SCALE_MIN_EXPONENT)`` for ``code = e·8 + m``, built
-    from its bits (exact; the kernels' ``decode_meta`` does the same)."""
+    from its bits (exact; the kernels' ``byte_scale`` does the same)."""
     return _byte_scale_bits(code.to(torch.int32))
 
 
@@ -184,12 +192,8 @@ class Grid:
         implied zero as fp32). Raises ValueError where a scale or zero overflows its format."""
         raise NotImplementedError
 
-    def values(self, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``fit``'s output as fp32 (scale, zero)."""
-        return scale.float(), zero.float()
-
     def codes(self, xg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: int) -> torch.Tensor:
-        s, z = self.values(scale, zero)
+        s, z = stored_values(scale, zero)
         return _uniform_codes(xg, s[..., None], z[..., None], levels)
 
 
@@ -224,7 +228,7 @@ class SymmetricGrid(Grid):
 class CompactGrid(Grid):
     """The uniform grid with a byte each for scale and zero (:data:`BYTE_META`): half the metadata of fp16's.
 
-    The scale is the smallest byte scale ``s >= max((max - min)/levels, |min|/15.875)``, the zero
+    The scale is the smallest byte scale ``s >= max((max - min)/levels, |min|/ZERO_LIMIT)``, the zero
     ``floor(8·min/s)/8·s``: at most ``s/8`` below the minimum, and within int8 whatever the group's offset. Where that
     drop leaves the top level short of the maximum, the scale takes the next byte up (the zero refit). Every element
     then dequantizes within ``s / 2`` of its value. Scales are exact fp32 built from bits, so kernels and twin agree
@@ -239,7 +243,7 @@ class CompactGrid(Grid):
 
     def fit(self, xg, levels, scale_dtype):
         low, high = xg.amin(-1), xg.amax(-1)
-        need = torch.maximum((high - low) / torch.full_like(low, levels), low.abs() / torch.full_like(low, 15.875))
+        need = torch.maximum((high - low) / torch.full_like(low, levels), low.abs() / torch.full_like(low, ZERO_LIMIT))
         need = need.clamp_min(2.0**BYTE_SCALE_MIN_EXPONENT)
         up = (need.view(torch.int32) + (1 << _MANTISSA_SHIFT) - 1) & -(1 << _MANTISSA_SHIFT)  # rounded up
         exponent = (up >> 23) - (127 + BYTE_SCALE_MIN_EXPONENT)
@@ -249,10 +253,6 @@ class CompactGrid(Grid):
         if bool((code > 255).any()):
             raise ValueError(overflow_message(torch.uint8))
         return code.to(torch.uint8), _zero_eighths(low, _byte_scale_bits(code)).to(torch.int8)
-
-    def values(self, scale, zero):
-        s = decode_byte_scale(scale)
-        return s, byte_zero(zero, s)
 
 
 def _byte_scale_bits(code: torch.Tensor) -> torch.Tensor:

@@ -142,23 +142,13 @@ class LatentOscarLayer(OscarLayer):
     def attend_absorbed(self, module: torch.nn.Module, query: torch.Tensor, rope: torch.Tensor,
                         attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
         """Attention of ``query [B, H, q, d_nope + d_rope]`` over the stored latent, absorbed
-        (:func:`oscar_hf.kernels.latent.reference.absorbed_attention`): the windows in the basis ``kv_b_proj`` reads
-        (rotated where it holds the rotation), the history dequantized as stored (its rotation taken into the
-        queries otherwise). Returns ``[B, q, H, d_v]``."""
-        n_sink, n_history, n_recent = self.counts
-        sink = self.windows["sink"]["latent"][:, :, :n_sink]
-        recent = self.windows["recent"]["latent"][:, :, :n_recent]
-        if self.rotates and self.absorbed:
-            sink, recent = sink @ self.rotation_mt, recent @ self.rotation_mt
-        history = torch.empty(*sink.shape[:2], n_history, sink.shape[-1], dtype=self.dtype, device=self.device)
-        stored = self.history.read(n_history)
-        self.dequantize(QuantizedRows(stored["codes"], stored["scale"], stored["zero"]),
-                        self.center["latent"] if self.config.centering else None, history,
-                        bits=self.config.side_bits["key"])
-        basis = self.latent_rotation if self.rotates and not self.absorbed else None
-        return absorbed_attention(query, rope, sink, history, recent, module.kv_b_proj.weight,
+        (:func:`oscar_hf.kernels.latent.reference.absorbed_attention`) in the history's basis: the windows rotated
+        into it (a few hundred rows), the history as dequantized, the rotation taken into the queries and out of the
+        output where ``kv_b_proj`` does not hold it. Returns ``[B, q, H, d_v]``."""
+        basis = self.rotation_mt.mT if self.rotates and not self.absorbed else None  # R, model dtype
+        return absorbed_attention(query, rope, self.materialize(stored_basis=True), module.kv_b_proj.weight,
                                   nope_dim=module.qk_nope_head_dim, attention_mask=attention_mask, scaling=scaling,
-                                  history_basis=basis)
+                                  basis=basis)
 
     def _append(self, latent: torch.Tensor) -> None:
         cfg, sink, recent = self.config, self.windows["sink"], self.windows["recent"]
@@ -192,12 +182,12 @@ class LatentOscarLayer(OscarLayer):
         self.history.write(self.n_history, quantized._asdict())
         self.n_history += rows.shape[2]
 
-    def materialize(self) -> torch.Tensor:
-        """The latent sequence ``[B, 1, T, r]`` in the model dtype: the windows as stored; the history dequantized
-        with its center added (the dequantize kernel on CUDA, its twin elsewhere) and rotated back, both in the
-        model dtype. (The rotation back is a ``[T, r] × [r, r]`` product every step: in fp32 it would cost more
-        than the model's own expansion of the latent through ``kv_b_proj``.) Absorbed: the windows rotated instead,
-        the history as dequantized."""
+    def materialize(self, stored_basis: bool = False) -> torch.Tensor:
+        """The latent sequence ``[B, 1, T, r]`` in the model dtype, in the basis ``kv_b_proj`` reads: the windows as
+        stored; the history dequantized with its center added (the dequantize kernel on CUDA, its twin elsewhere) and
+        rotated back, both in the model dtype. (The rotation back is a ``[T, r] × [r, r]`` product every step: in
+        fp32 it would cost more than the model's own expansion of the latent through ``kv_b_proj``.) Absorbed, or
+        with ``stored_basis``: in the history's basis, the windows rotated instead, the history as dequantized."""
         out = torch.empty(*self.center["latent"].shape[:2], self.length, self.latent_rotation.shape[0],
                           dtype=self.dtype, device=self.device)
         n_sink, n_history, n_recent = self.counts
@@ -208,9 +198,10 @@ class LatentOscarLayer(OscarLayer):
         self.dequantize(QuantizedRows(stored["codes"], stored["scale"], stored["zero"]), center, history,
                         bits=self.config.side_bits["key"])
         out[:, :, n_sink + n_history:] = self.windows["recent"]["latent"][:, :, :n_recent]
-        if self.rotates and self.absorbed:
+        if self.rotates and (self.absorbed or stored_basis):
+            rotation = self.rotation_mt if self.absorbed else self.rotation_mt.mT  # R either way
             for window in (out[:, :, :n_sink], out[:, :, n_sink + n_history:]):
-                window.copy_(window @ self.rotation_mt)
+                window.copy_(window @ rotation)
         elif self.rotates and n_history:
             history.copy_(history @ self.rotation_mt)
         return out

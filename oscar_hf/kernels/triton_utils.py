@@ -12,6 +12,7 @@ from ..quantizer import (
     BYTE_SCALE_MANTISSA_BITS,
     BYTE_SCALE_MIN_EXPONENT,
     ZERO_EIGHTHS,
+    ZERO_LIMIT,
     clip_index,
 )
 from ..quantizer import IMPLIED_ZERO as _IMPLIED_ZERO
@@ -27,6 +28,7 @@ _ROUND_UP = tl.constexpr((1 << (23 - BYTE_SCALE_MANTISSA_BITS)) - 1)  # to add, 
 _EXPONENT_BIAS = tl.constexpr(127 + BYTE_SCALE_MIN_EXPONENT)
 _MIN_BYTE_SCALE = tl.constexpr(2.0**BYTE_SCALE_MIN_EXPONENT)
 _EIGHTH = tl.constexpr(1 / ZERO_EIGHTHS)
+_ZERO_LIMIT = tl.constexpr(ZERO_LIMIT)
 
 
 TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32, torch.uint8: tl.uint8}
@@ -48,7 +50,7 @@ def byte_scale(code):
 @triton.jit
 def meta_values(scale, zero, BITS: tl.constexpr, META: tl.constexpr):
     """Stored scales and zeros (any shape; ``zero`` unread where META is IMPLIED_ZERO) → fp32 ``(scale, zero)``,
-    exactly as ``QuantizedRows.scales`` and ``zeros``."""
+    exactly as ``quantizer.stored_values`` (and ``QuantizedRows.zeros`` for implied zeros)."""
     if META == BYTE_META:
         s = byte_scale(scale.to(tl.int32))
         z = zero.to(tl.float32) * (s * _EIGHTH)
@@ -192,16 +194,14 @@ def quantize_tile(xs, tiny, CLIP_INDEX: tl.constexpr, GROUP: tl.constexpr, BITS:
             zero = z32
         elif META == BYTE_META:
             need = tl.maximum(tl.math.div_rn(hi_x - lo_x, tl.full(lo_x.shape, LEVELS, tl.float32)),
-                              tl.math.div_rn(tl.abs(lo_x), tl.full(lo_x.shape, 15.875, tl.float32)))
+                              tl.math.div_rn(tl.abs(lo_x), tl.full(lo_x.shape, _ZERO_LIMIT, tl.float32)))
             bits = tl.maximum(need, _MIN_BYTE_SCALE).to(tl.int32, bitcast=True)
             up = (bits + _ROUND_UP) & ~_ROUND_UP  # rounded up to the kept mantissa bits
             code = ((up >> 23) - _EXPONENT_BIAS) << _MANTISSA_BITS | (up >> _MANTISSA_SHIFT) & _MANTISSA_MASK
-            s32 = byte_scale(code)
-            eighths = _zero_eighths(lo_x, s32)
-            code += (eighths * (s32 * _EIGHTH) + LEVELS * s32 < hi_x).to(tl.int32)  # the top level short: next up
-            s32 = byte_scale(code)
-            eighths = _zero_eighths(lo_x, s32)
-            z32 = eighths * (s32 * _EIGHTH)
+            s32, z32 = meta_values(code, _zero_eighths(lo_x, byte_scale(code)), BITS, META)
+            code += (z32 + LEVELS * s32 < hi_x).to(tl.int32)  # the top level short of the maximum: the next byte up
+            eighths = _zero_eighths(lo_x, byte_scale(code))
+            s32, z32 = meta_values(code, eighths, BITS, META)
             overflow = overflow | tl.max(tl.where(code > 255, 2, 0), axis=0)
             scale = code.to(tl.uint8)
             zero = eighths.to(tl.int8)

@@ -15,22 +15,19 @@ def randn(*shape: int, seed: int) -> torch.Tensor:
                          ids=["step", "rotated-history-padded", "verify-3-causal"])
 def test_absorbed_attention_equals_attention_over_the_expanded_latent(q_len, rotated, masked):
     batch, heads, nope, rope_dim, v_dim, rank = 2, 3, 8, 4, 6, 16
-    sizes = (2, 10, 5)  # sink, history, recent
-    total = sum(sizes)
+    total = 17
     latent = randn(batch, 1, total, rank, seed=1)  # in the basis kv_b_proj reads
     rope = randn(batch, 1, total, rope_dim, seed=2)
     weight = randn(heads * (nope + v_dim), rank, seed=3) / 4
     query = randn(batch, heads, q_len, nope + rope_dim, seed=4)
     basis = torch.linalg.qr(randn(rank, rank, seed=5)).Q if rotated else None
-    sink, history, recent = latent.split(sizes, dim=2)
-    stored = history @ basis if rotated else history
+    stored = latent @ basis if rotated else latent
     mask = None
     if masked:
         mask = torch.ones(batch, 1, q_len, total + 3, dtype=torch.bool)  # (longer than the sequence, as padded)
         mask[1, :, :, :4] = False  # left padding: the second row's first tokens
-    got = absorbed_attention(query.float(), rope.float(), sink.float(), stored.float(), recent.float(),
-                             weight.float(), nope_dim=nope, attention_mask=mask, scaling=0.3,
-                             history_basis=None if basis is None else basis.float())
+    got = absorbed_attention(query.float(), rope.float(), stored.float(), weight.float(), nope_dim=nope,
+                             attention_mask=mask, scaling=0.3, basis=None if basis is None else basis.float())
     # the model's way: K = [c·W_UKᵀ ‖ k_rope], V = c·W_UVᵀ per head, softmax attention (fp64)
     expanded = (latent @ weight.T).view(batch, total, heads, nope + v_dim).transpose(1, 2)
     key = torch.cat([expanded[..., :nope], rope.expand(-1, heads, -1, -1)], dim=-1)
